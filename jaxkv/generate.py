@@ -1,0 +1,256 @@
+"""Jitted generation: prefill, then a ``lax.while_loop`` of decode steps over a named state.
+
+``generate_tokens`` works on token arrays; ``generate`` on text with a loaded model
+(tokenizer, chat template, stop tokens).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jaxkv import kvcache
+from jaxkv.config import ModelConfig
+from jaxkv.kvcache import KVCache
+from jaxkv.model import decoder
+
+PAD_MULTIPLE = 64  # prompts are padded to a multiple of this: fewer distinct compiled shapes
+
+
+@struct.dataclass
+class DecodeState:
+    """Carry of the decode loop.
+
+    Attributes:
+        cache: the KV cache.
+        tokens: [B, N] generated tokens (pad after a sequence stops).
+        next_token: [B] token fed at the next step.
+        done: [B] bool, sequence has emitted a stop token.
+        step: [] int32 number of tokens generated so far.
+    """
+
+    cache: KVCache
+    tokens: jax.Array
+    next_token: jax.Array
+    done: jax.Array
+    step: jax.Array
+
+
+@struct.dataclass
+class Sampling:
+    """Sampling settings. ``temperature == 0`` means greedy (static: decides the graph)."""
+
+    temperature: float = struct.field(pytree_node=False, default=0.0)
+    top_p: float = struct.field(pytree_node=False, default=1.0)
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+def sample(logits_BV: jax.Array, sampling: Sampling, *, key: jax.Array) -> jax.Array:
+    """Greedy argmax, or temperature + nucleus (top-p) sampling."""
+    if sampling.temperature == 0:
+        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    logits = logits_BV / sampling.temperature
+    if sampling.top_p < 1:
+        sorted_desc = jnp.sort(logits, axis=-1)[:, ::-1]
+        probs = jax.nn.softmax(sorted_desc, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each candidate
+        n_keep = jnp.sum(before < sampling.top_p, axis=-1, keepdims=True)
+        cutoff = jnp.take_along_axis(sorted_desc, n_keep - 1, axis=-1)
+        logits = jnp.where(logits >= cutoff, logits, -jnp.inf)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def _is_stop(token_B, stop_tokens: tuple[int, ...]):
+    if not stop_tokens:
+        return jnp.zeros(token_B.shape, bool)
+    return jnp.isin(token_B, jnp.asarray(stop_tokens, jnp.int32))
+
+
+def decode_loop(
+    params: dict,
+    state: DecodeState,
+    *,
+    config: ModelConfig,
+    sampling: Sampling,
+    stop_tokens: tuple[int, ...],
+    pad_id: int,
+    key: jax.Array,
+) -> DecodeState:
+    """Decodes until every sequence stopped or ``tokens`` is full."""
+    max_new = state.tokens.shape[1]
+
+    def cond(s: DecodeState):
+        return (s.step < max_new) & ~jnp.all(s.done)
+
+    def body(s: DecodeState):
+        tokens = s.tokens.at[:, s.step].set(jnp.where(s.done, pad_id, s.next_token))
+        done = s.done | _is_stop(s.next_token, stop_tokens)
+        logits, cache = decoder.decode_step(params, s.next_token, s.cache, config=config)
+        nxt = sample(logits, sampling, key=jax.random.fold_in(key, s.step + 1))
+        return DecodeState(cache=cache, tokens=tokens, next_token=nxt, done=done, step=s.step + 1)
+
+    return jax.lax.while_loop(cond, body, state)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("config", "max_new_tokens", "sampling", "stop_tokens", "pad_id"),
+    donate_argnames=("cache",),
+)
+def _generate_jit(
+    params, prompt_BT, lengths_B, cache, key, *, config, max_new_tokens, sampling, stop_tokens,
+    pad_id,
+):
+    logits, cache = decoder.prefill(params, prompt_BT, cache, config=config, lengths_B=lengths_B)
+    B = prompt_BT.shape[0]
+    state = DecodeState(
+        cache=cache,
+        tokens=jnp.full((B, max_new_tokens), pad_id, jnp.int32),
+        next_token=sample(logits, sampling, key=jax.random.fold_in(key, 0)),
+        done=jnp.zeros((B,), bool),
+        step=jnp.zeros((), jnp.int32),
+    )
+    return decode_loop(
+        params, state, config=config, sampling=sampling, stop_tokens=stop_tokens, pad_id=pad_id,
+        key=key,
+    )
+
+
+def generate_tokens(
+    params: dict,
+    prompts: Sequence[Sequence[int]],
+    *,
+    config: ModelConfig,
+    max_new_tokens: int,
+    sampling: Sampling = Sampling(),
+    stop_tokens: Sequence[int] = (),
+    pad_id: int = 0,
+    key: jax.Array | None = None,
+) -> list[list[int]]:
+    """Generates from a batch of token-id prompts (different lengths allowed).
+
+    Returns:
+        For each prompt, the generated ids up to and including the first stop token.
+    """
+    prompt_BT, lengths_B = pad_prompts(prompts, vocab_size=config.vocab_size)
+    capacity = prompt_BT.shape[1] + max_new_tokens
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if capacity > config.max_seq_len:
+        raise ValueError(
+            f"prompt ({int(lengths_B.max())} tokens, padded to {prompt_BT.shape[1]}) + "
+            f"{max_new_tokens} new tokens exceeds the model's max_seq_len {config.max_seq_len}"
+        )
+    cache = kvcache.init_cache(config, batch_size=len(prompts), capacity=capacity)
+    state = _generate_jit(
+        params, prompt_BT, lengths_B, cache, jax.random.key(0) if key is None else key,
+        config=config, max_new_tokens=max_new_tokens, sampling=sampling,
+        stop_tokens=tuple(int(t) for t in stop_tokens), pad_id=int(pad_id),
+    )
+    return _trim(np.asarray(state.tokens), np.asarray(state.step), set(stop_tokens))
+
+
+def _trim(tokens_BN: np.ndarray, n_steps: int, stops: set[int]) -> list[list[int]]:
+    out = []
+    for row in tokens_BN[:, : int(n_steps)].tolist():
+        cut = next((i + 1 for i, t in enumerate(row) if t in stops), len(row))
+        out.append(row[:cut])
+    return out
+
+
+def pad_prompts(prompts: Sequence[Sequence[int]], *, vocab_size: int):
+    """Right-pads prompts to a multiple of ``PAD_MULTIPLE``; validates every id.
+
+    Returns:
+        tokens [B, T] int32 and lengths [B] int32 (jax arrays).
+    """
+    if len(prompts) == 0:
+        raise ValueError("no prompts given")
+    rows = [np.asarray(p) for p in prompts]
+    for i, row in enumerate(rows):
+        if row.ndim != 1 or row.size == 0:
+            raise ValueError(f"prompt {i} is empty or not a 1-D sequence of token ids")
+        if not np.issubdtype(row.dtype, np.integer):
+            raise TypeError(f"prompt {i} has dtype {row.dtype}; token ids must be integers")
+        if row.min() < 0 or row.max() >= vocab_size:
+            raise ValueError(
+                f"prompt {i} has token ids outside [0, {vocab_size}): min {row.min()}, "
+                f"max {row.max()}"
+            )
+    longest = max(r.size for r in rows)
+    T = -(-longest // PAD_MULTIPLE) * PAD_MULTIPLE
+    tokens = np.zeros((len(rows), T), np.int32)
+    for i, row in enumerate(rows):
+        tokens[i, : row.size] = row
+    lengths = np.asarray([r.size for r in rows], np.int32)
+    return jnp.asarray(tokens), jnp.asarray(lengths)
+
+
+def encode_prompt(tokenizer, prompt: str, *, chat: bool) -> list[int]:
+    """Token ids of a prompt, wrapped in the tokenizer's chat template when ``chat``."""
+    if not prompt:
+        raise ValueError("empty prompt")
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("this tokenizer has no chat template; pass chat=False")
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+        )
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer(prompt)["input_ids"]
+
+
+def stop_token_ids(tokenizer) -> tuple[int, ...]:
+    """EOS plus the chat end-of-turn token when the vocabulary has one."""
+    ids = {tokenizer.eos_token_id}
+    for tok in ("<|im_end|>", "<|eot_id|>", "</s>"):
+        tid = tokenizer.convert_tokens_to_ids(tok)
+        if isinstance(tid, int) and tid != tokenizer.unk_token_id:
+            ids.add(tid)
+    return tuple(sorted(i for i in ids if i is not None))
+
+
+def generate(
+    model,
+    prompts: str | Sequence[str],
+    *,
+    max_new_tokens: int = 128,
+    chat: bool = True,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+) -> list[str]:
+    """Generates text for one or several prompts with a loaded model (``jaxkv.load``).
+
+    Args:
+        model: a ``LoadedModel`` (config, params, tokenizer).
+        prompts: a prompt or a list of prompts.
+        max_new_tokens: upper bound on generated tokens per prompt.
+        chat: wrap prompts in the model's chat template.
+        temperature: 0 for greedy decoding; otherwise sampling temperature.
+        top_p: nucleus-sampling mass.
+        seed: sampling seed.
+
+    Returns:
+        The decoded completions (stop tokens removed).
+    """
+    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+    ids = [encode_prompt(model.tokenizer, p, chat=chat) for p in prompts]
+    stops = stop_token_ids(model.tokenizer)
+    pad = model.tokenizer.pad_token_id
+    outs = generate_tokens(
+        model.params, ids, config=model.config, max_new_tokens=max_new_tokens,
+        sampling=Sampling(temperature=temperature, top_p=top_p), stop_tokens=stops,
+        pad_id=stops[0] if pad is None else pad, key=jax.random.key(seed),
+    )
+    return [model.tokenizer.decode(o, skip_special_tokens=True) for o in outs]

@@ -1,0 +1,96 @@
+"""Pure building blocks of the decoder: RMSNorm, RoPE, SwiGLU, grouped-query attention.
+
+Axis letters as in ``jaxkv.config``; attention works in the grouped layout
+``q_BKGTH`` (query head n = k * G + g) against keys ``k_BKSH``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+NEG_INF = -1e30
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm computed in float32, returned in the input dtype (HF Llama/Mistral)."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (weight.astype(jnp.float32) * x32).astype(x.dtype)
+
+
+def rope(x_BTXH: jax.Array, pos_BT: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding in HF's half-split layout; padding positions (-1) are harmless."""
+    H = x_BTXH.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H))
+    angle_BTh = pos_BT.astype(jnp.float32)[..., None] * inv_freq
+    cos = jnp.cos(angle_BTh)[:, :, None, :]
+    sin = jnp.sin(angle_BTh)[:, :, None, :]
+    x = x_BTXH.astype(jnp.float32)
+    x1, x2 = x[..., : H // 2], x[..., H // 2 :]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BTXH.dtype)
+
+
+def swiglu(x_BTD: jax.Array, w_gate_DF, w_up_DF, w_down_FD) -> jax.Array:
+    gate = jax.nn.silu(x_BTD @ w_gate_DF)
+    return (gate * (x_BTD @ w_up_DF)) @ w_down_FD
+
+
+def visible(q_pos, k_pos, window: int | None) -> jax.Array:
+    """Mask of keys a query may see: causal, non-empty, and inside the sliding window.
+
+    Built from token positions, never slot indices, so it stays right after eviction.
+    Arguments broadcast against each other; -1 marks an empty key or padding query.
+    """
+    ok = (k_pos >= 0) & (q_pos >= 0) & (k_pos <= q_pos)
+    if window is not None:
+        ok &= k_pos > q_pos - window
+    return ok
+
+
+def scores(q_BKGTH: jax.Array, k_BKSH: jax.Array) -> jax.Array:
+    """Scaled dot products [B, K, G, T, S] in float32."""
+    scale = q_BKGTH.shape[-1] ** -0.5
+    s = jnp.einsum("bkgth,bksh->bkgts", q_BKGTH, k_BKSH, preferred_element_type=jnp.float32)
+    return s * scale
+
+
+def masked_softmax(s_BKGTS: jax.Array, mask_BKGTS: jax.Array) -> jax.Array:
+    """Softmax over keys; a query that sees no key gets all-zero weights, not NaN."""
+    s = jnp.where(mask_BKGTS, s_BKGTS, NEG_INF)
+    p = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True))
+    p = jnp.where(mask_BKGTS, p, 0.0)
+    return p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
+
+
+def weighted_values(p_BKGTS: jax.Array, v_BKSH: jax.Array) -> jax.Array:
+    return jnp.einsum("bkgts,bksh->bkgth", p_BKGTS.astype(v_BKSH.dtype), v_BKSH)
+
+
+def causal_block_attention(
+    q_BKGTH: jax.Array,
+    k_BKTH: jax.Array,
+    v_BKTH: jax.Array,
+    pos_BT: jax.Array,
+    *,
+    window: int | None,
+    block: int,
+) -> jax.Array:
+    """Causal self-attention over T tokens whose slot t holds position t (or -1).
+
+    Queries go in blocks; block i reads only keys [lo, hi) that it can see, which keeps the
+    work near T^2/2 (and T*window with a sliding window) instead of T^2.
+    """
+    T = q_BKGTH.shape[3]
+    outs = []
+    for start in range(0, T, block):
+        stop = min(start + block, T)
+        lo = 0 if window is None else max(0, start - window + 1)
+        q = q_BKGTH[:, :, :, start:stop]
+        s = scores(q, k_BKTH[:, :, lo:stop])
+        mask = visible(
+            pos_BT[:, None, None, start:stop, None], pos_BT[:, None, None, None, lo:stop], window
+        )
+        outs.append(weighted_values(masked_softmax(s, mask), v_BKTH[:, :, lo:stop]))
+    return jnp.concatenate(outs, axis=3)
