@@ -44,7 +44,15 @@ class ModelConfig:
     dtype: str = "float32"
 
     def __post_init__(self):
-        positive = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff")
+        positive = (
+            "vocab_size",
+            "d_model",
+            "n_layers",
+            "n_heads",
+            "n_kv_heads",
+            "head_dim",
+            "d_ff",
+        )
         bad = [f for f in positive if getattr(self, f) <= 0]
         if bad:
             raise ValueError(f"ModelConfig {self.name!r}: fields must be positive: {bad}")
@@ -56,7 +64,9 @@ class ModelConfig:
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ValueError(f"ModelConfig {self.name!r}: sliding_window must be positive or None")
         if self.dtype not in _DTYPES:
-            raise ValueError(f"ModelConfig {self.name!r}: dtype {self.dtype!r} not in {sorted(_DTYPES)}")
+            raise ValueError(
+                f"ModelConfig {self.name!r}: dtype {self.dtype!r} not in {sorted(_DTYPES)}"
+            )
 
     @property
     def q_per_kv(self) -> int:

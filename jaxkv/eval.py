@@ -37,14 +37,21 @@ def _generate_cmd(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m jaxkv.eval", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m jaxkv.eval",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text from a prompt")
-    gen.add_argument("--model", default="smollm2-135m",
-                     help="'smollm2-135m' (embedded), a .gguf file or a HF safetensors directory")
-    gen.add_argument("--prompt", action="append", required=True,
-                     help="prompt text (repeat for a batch)")
+    gen.add_argument(
+        "--model",
+        default="smollm2-135m",
+        help="'smollm2-135m' (embedded), a .gguf file or a HF safetensors directory",
+    )
+    gen.add_argument(
+        "--prompt", action="append", required=True, help="prompt text (repeat for a batch)"
+    )
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-p", type=float, default=1.0)

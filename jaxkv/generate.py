@@ -55,6 +55,9 @@ class Sampling:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
+GREEDY = Sampling()
+
+
 def sample(logits_BV: jax.Array, sampling: Sampling, *, key: jax.Array) -> jax.Array:
     """Greedy argmax, or temperature + nucleus (top-p) sampling."""
     if sampling.temperature == 0:
@@ -108,9 +111,19 @@ def decode_loop(
     donate_argnames=("cache",),
 )
 def _generate_jit(
-    params, prompt_BT, lengths_B, cache, key, *, config, max_new_tokens, sampling, stop_tokens,
+    params,
+    prompt_BT,
+    lengths_B,
+    cache,
+    key,
+    *,
+    config,
+    max_new_tokens,
+    sampling,
+    stop_tokens,
     pad_id,
 ):
+    params = decoder.unstack_layers(params)  # slice the weights once, not at every step
     logits, cache = decoder.prefill(params, prompt_BT, cache, config=config, lengths_B=lengths_B)
     B = prompt_BT.shape[0]
     state = DecodeState(
@@ -121,7 +134,12 @@ def _generate_jit(
         step=jnp.zeros((), jnp.int32),
     )
     return decode_loop(
-        params, state, config=config, sampling=sampling, stop_tokens=stop_tokens, pad_id=pad_id,
+        params,
+        state,
+        config=config,
+        sampling=sampling,
+        stop_tokens=stop_tokens,
+        pad_id=pad_id,
         key=key,
     )
 
@@ -132,7 +150,7 @@ def generate_tokens(
     *,
     config: ModelConfig,
     max_new_tokens: int,
-    sampling: Sampling = Sampling(),
+    sampling: Sampling = GREEDY,
     stop_tokens: Sequence[int] = (),
     pad_id: int = 0,
     key: jax.Array | None = None,
@@ -153,9 +171,16 @@ def generate_tokens(
         )
     cache = kvcache.init_cache(config, batch_size=len(prompts), capacity=capacity)
     state = _generate_jit(
-        params, prompt_BT, lengths_B, cache, jax.random.key(0) if key is None else key,
-        config=config, max_new_tokens=max_new_tokens, sampling=sampling,
-        stop_tokens=tuple(int(t) for t in stop_tokens), pad_id=int(pad_id),
+        params,
+        prompt_BT,
+        lengths_B,
+        cache,
+        jax.random.key(0) if key is None else key,
+        config=config,
+        max_new_tokens=max_new_tokens,
+        sampling=sampling,
+        stop_tokens=tuple(int(t) for t in stop_tokens),
+        pad_id=int(pad_id),
     )
     return _trim(np.asarray(state.tokens), np.asarray(state.step), set(stop_tokens))
 
@@ -249,8 +274,13 @@ def generate(
     stops = stop_token_ids(model.tokenizer)
     pad = model.tokenizer.pad_token_id
     outs = generate_tokens(
-        model.params, ids, config=model.config, max_new_tokens=max_new_tokens,
-        sampling=Sampling(temperature=temperature, top_p=top_p), stop_tokens=stops,
-        pad_id=stops[0] if pad is None else pad, key=jax.random.key(seed),
+        model.params,
+        ids,
+        config=model.config,
+        max_new_tokens=max_new_tokens,
+        sampling=Sampling(temperature=temperature, top_p=top_p),
+        stop_tokens=stops,
+        pad_id=stops[0] if pad is None else pad,
+        key=jax.random.key(seed),
     )
     return [model.tokenizer.decode(o, skip_special_tokens=True) for o in outs]

@@ -4,3 +4,8 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# Dequantized-model cache inside the checkout (ignored by git), not in the user's home.
+os.environ.setdefault(
+    "JAXKV_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".pytest_cache", "jaxkv")
+)

@@ -30,6 +30,15 @@ def test_prefill_then_decode_equals_forward_at_every_position(window):
     np.testing.assert_array_equal(cache.length, [14, 14])
 
 
+def test_unstacked_params_give_identical_logits():
+    toks = jax.random.randint(jax.random.key(7), (1, 9), 0, CFG.vocab_size)
+    unstacked = decoder.unstack_layers(PARAMS)
+    assert isinstance(unstacked["layers"], tuple) and len(unstacked["layers"]) == CFG.n_layers
+    np.testing.assert_array_equal(
+        decoder.forward(unstacked, toks, config=CFG), decoder.forward(PARAMS, toks, config=CFG)
+    )
+
+
 def test_extend_chunk_equals_forward():
     toks = jax.random.randint(jax.random.key(2), (1, 12), 0, CFG.vocab_size)
     full = decoder.forward(PARAMS, toks, config=CFG)
@@ -73,8 +82,15 @@ def test_decode_loop_carry_keeps_shapes_and_dtypes():
         step=jnp.zeros((), jnp.int32),
     )
     out = jax.eval_shape(
-        lambda s: decode_loop(PARAMS, s, config=CFG, sampling=Sampling(), stop_tokens=(3,),
-                              pad_id=0, key=jax.random.key(0)),
+        lambda s: decode_loop(
+            PARAMS,
+            s,
+            config=CFG,
+            sampling=Sampling(),
+            stop_tokens=(3,),
+            pad_id=0,
+            key=jax.random.key(0),
+        ),
         state,
     )
     assert jax.tree.map(lambda x: (x.shape, x.dtype), out) == jax.tree.map(
@@ -88,7 +104,7 @@ def test_greedy_generation_equals_argmax_of_forward():
     seq = list(prompt)
     for _ in range(6):
         seq.append(int(jnp.argmax(decoder.forward(PARAMS, jnp.array([seq]), config=CFG)[0, -1])))
-    assert out == seq[len(prompt):]
+    assert out == seq[len(prompt) :]
 
 
 def test_generation_stops_at_stop_token_and_batches():
@@ -103,7 +119,9 @@ def test_generation_stops_at_stop_token_and_batches():
 
 def test_sampling_is_seeded():
     s = Sampling(temperature=1.0, top_p=0.9)
-    run = lambda seed: generate_tokens(PARAMS, [[1, 2, 3]], config=CFG, max_new_tokens=8, sampling=s, key=jax.random.key(seed))
+    run = lambda seed: generate_tokens(
+        PARAMS, [[1, 2, 3]], config=CFG, max_new_tokens=8, sampling=s, key=jax.random.key(seed)
+    )
     assert run(0) == run(0)
     assert run(0) != run(1)
 
@@ -113,7 +131,8 @@ def test_top_p_keeps_only_the_nucleus():
 
     logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
     draws = jax.vmap(lambda k: sample(logits, Sampling(1.0, 0.7), key=k))(
-        jax.random.split(jax.random.key(0), 400))
+        jax.random.split(jax.random.key(0), 400)
+    )
     assert set(np.unique(draws).tolist()) == {0, 1}
 
 
@@ -122,7 +141,8 @@ def test_mistral_7b_parameter_count_from_eval_shape():
     abstract = jax.eval_shape(lambda k: init_params(cfg, key=k), jax.random.key(0))
     assert count_params(abstract) == 7_248_023_552
     assert jax.tree.map(lambda x: x.shape, abstract) == jax.tree.map(
-        tuple, param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
+        tuple, param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple)
+    )
     cache = jax.eval_shape(lambda: kvcache.init_cache(cfg, batch_size=1, capacity=4096))
     assert cache.k.shape == (32, 1, 8, 4096, 128)
 
@@ -188,7 +208,13 @@ def test_gather_per_head_indices_differ_between_heads():
 def test_config_presets_and_validation():
     assert ModelConfig.mistral_7b_v01().sliding_window == 4096
     s = ModelConfig.smollm2_135m()
-    assert (s.n_layers, s.n_heads, s.n_kv_heads, s.head_dim, s.tie_embeddings) == (30, 9, 3, 64, True)
+    assert (s.n_layers, s.n_heads, s.n_kv_heads, s.head_dim, s.tie_embeddings) == (
+        30,
+        9,
+        3,
+        64,
+        True,
+    )
     with pytest.raises(ValueError, match="multiple"):
         ModelConfig.tiny(n_heads=3)
     with pytest.raises(ValueError, match="unknown model preset"):
@@ -196,13 +222,26 @@ def test_config_presets_and_validation():
 
 
 def test_config_from_hf_dicts():
-    hf = {"model_type": "mistral", "vocab_size": 100, "hidden_size": 32, "num_hidden_layers": 2,
-          "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 64,
-          "rope_theta": 1e6, "sliding_window": 16, "rms_norm_eps": 1e-6}
+    hf = {
+        "model_type": "mistral",
+        "vocab_size": 100,
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 64,
+        "rope_theta": 1e6,
+        "sliding_window": 16,
+        "rms_norm_eps": 1e-6,
+    }
     cfg = ModelConfig.from_hf(hf)
     assert (cfg.head_dim, cfg.sliding_window, cfg.rope_theta) == (8, 16, 1e6)
-    llama = dict(hf, model_type="llama", rope_theta=None,
-                 rope_parameters={"rope_theta": 1e5, "rope_type": "default"})
+    llama = dict(
+        hf,
+        model_type="llama",
+        rope_theta=None,
+        rope_parameters={"rope_theta": 1e5, "rope_type": "default"},
+    )
     assert ModelConfig.from_hf(llama).rope_theta == 1e5
     assert ModelConfig.from_hf(llama).sliding_window is None
     bad = dict(hf, model_type="gpt2", hidden_act="gelu", attention_bias=True)

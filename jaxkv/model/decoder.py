@@ -8,7 +8,8 @@ Three functions, no modes:
   attend to everything in the cache plus themselves.
 
 The layer loop is a Python loop inside jit (unrolled): on this 2-core CPU it decoded faster
-than ``lax.scan`` carrying the cache (see ``scripts/bench_decoder.py``).
+than ``lax.scan`` carrying the cache. Params may be stacked (canonical) or unstacked by
+``unstack_layers``, which loops should do once before they start (see its docstring).
 """
 
 from __future__ import annotations
@@ -24,8 +25,25 @@ from jaxkv.model import layers
 PREFILL_BLOCK = 256
 
 
+def unstack_layers(params: dict) -> dict:
+    """Params with ``layers`` as a tuple of per-layer dicts instead of stacked arrays.
+
+    Every decoder function accepts both forms. Inside a jitted step, slicing layer i out of a
+    stacked weight copies it (all weights, every call: decode ran ~3x slower on this CPU), so
+    loops unstack once before they start: the slices are then made once, outside the loop.
+    """
+    layers_ = params["layers"]
+    if isinstance(layers_, tuple):
+        return params
+    n = next(iter(layers_.values())).shape[0]
+    return {**params, "layers": tuple({k: w[i] for k, w in layers_.items()} for i in range(n))}
+
+
 def _layer(params: dict, i: int) -> dict:
-    return {name: w[i] for name, w in params["layers"].items()}
+    layers_ = params["layers"]
+    if isinstance(layers_, tuple):
+        return layers_[i]
+    return {name: w[i] for name, w in layers_.items()}
 
 
 def _project_qkv(lp: dict, x_BTD, pos_BT, config: ModelConfig):
@@ -129,7 +147,9 @@ def _cached_attention(q, k_new, v_new, pos_BT, cache: KVCache, i: int, config: M
         layers.visible(q_pos, cpos[:, :, None, None, :], config.sliding_window),
         layers.visible(q_pos, pos_BT[:, None, None, None, :], config.sliding_window),
     ]
-    mask = jnp.concatenate([jnp.broadcast_to(m, (*m.shape[:1], K, G, T, m.shape[-1])) for m in parts], -1)
+    mask = jnp.concatenate(
+        [jnp.broadcast_to(m, (m.shape[0], K, G, T, m.shape[-1])) for m in parts], axis=-1
+    )
     p = layers.masked_softmax(s, mask)
     C = ck.shape[2]
     return layers.weighted_values(p[..., :C], cv) + layers.weighted_values(p[..., C:], v_new)
