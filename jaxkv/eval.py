@@ -11,10 +11,24 @@ import argparse
 import sys
 import time
 
+from jaxkv.eviction import Compression
+from jaxkv.policies.base import GRANULARITIES, policy_names
+
 
 def _generate_cmd(args: argparse.Namespace) -> int:
     import jaxkv
 
+    compression = {}
+    if args.policy not in (None, "full"):
+        compression = dict(
+            policy=args.policy,
+            ratio=None if args.budget else args.ratio,
+            budget=args.budget,
+            min_budget=args.min_budget,
+            granularity=args.granularity,
+            evict_every=args.evict_every,
+        )
+        Compression.make(**compression)  # validate before the slow model load
     t0 = time.perf_counter()
     model = jaxkv.load(args.model)
     t1 = time.perf_counter()
@@ -26,6 +40,7 @@ def _generate_cmd(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         top_p=args.top_p,
         seed=args.seed,
+        **compression,
     )
     t2 = time.perf_counter()
     for prompt, out in zip(args.prompt, outs, strict=True):
@@ -34,6 +49,20 @@ def _generate_cmd(args: argparse.Namespace) -> int:
         print(out)
     print(f"[load {t1 - t0:.1f} s, generate {t2 - t1:.1f} s (incl. compile)]", file=sys.stderr)
     return 0
+
+
+def _add_compression_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("KV-cache compression")
+    g.add_argument(
+        "--policy",
+        default=None,
+        help=f"eviction policy: {', '.join(policy_names())} (default: full cache)",
+    )
+    g.add_argument("--ratio", type=float, default=0.25, help="budget ratio r in (0, 1]")
+    g.add_argument("--budget", type=int, default=None, help="absolute budget instead of --ratio")
+    g.add_argument("--min-budget", type=int, default=32, help="B_min")
+    g.add_argument("--granularity", default="shared", choices=GRANULARITIES)
+    g.add_argument("--evict-every", type=int, default=1, help="evict every k decode steps")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    _add_compression_args(gen)
     gen.set_defaults(func=_generate_cmd)
     sub.add_parser("kvlearn", help="KVLearn pool simulator (see: kvlearn --help)", add_help=False)
     return parser

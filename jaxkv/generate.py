@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Sequence
 
 import jax
@@ -14,8 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxkv import kvcache
+from jaxkv import eviction, kvcache
 from jaxkv.config import ModelConfig
+from jaxkv.eviction import Compression
 from jaxkv.kvcache import KVCache
 from jaxkv.model import decoder
 
@@ -32,6 +34,7 @@ class DecodeState:
         next_token: [B] token fed at the next step.
         done: [B] bool, sequence has emitted a stop token.
         step: [] int32 number of tokens generated so far.
+        keep_rows: [L, B, K] bool rows exempt from eviction (head-level hybrid), or None.
     """
 
     cache: KVCache
@@ -39,6 +42,7 @@ class DecodeState:
     next_token: jax.Array
     done: jax.Array
     step: jax.Array
+    keep_rows: jax.Array | None = None
 
 
 @struct.dataclass
@@ -88,9 +92,16 @@ def decode_loop(
     stop_tokens: tuple[int, ...],
     pad_id: int,
     key: jax.Array,
+    compression: Compression | None = None,
+    policy_state=None,
 ) -> DecodeState:
-    """Decodes until every sequence stopped or ``tokens`` is full."""
+    """Decodes until every sequence stopped or ``tokens`` is full, evicting as it goes.
+
+    The token of each step comes from the unpruned pass; eviction then prepares the cache
+    for the next step (paper Alg. 1).
+    """
     max_new = state.tokens.shape[1]
+    sample_key, evict_key = jax.random.split(key)
 
     def cond(s: DecodeState):
         return (s.step < max_new) & ~jnp.all(s.done)
@@ -99,15 +110,63 @@ def decode_loop(
         tokens = s.tokens.at[:, s.step].set(jnp.where(s.done, pad_id, s.next_token))
         done = s.done | _is_stop(s.next_token, stop_tokens)
         logits, cache = decoder.decode_step(params, s.next_token, s.cache, config=config)
-        nxt = sample(logits, sampling, key=jax.random.fold_in(key, s.step + 1))
-        return DecodeState(cache=cache, tokens=tokens, next_token=nxt, done=done, step=s.step + 1)
+        if compression is not None and compression.policy.evicts:
+            due = (s.step + 1) % compression.evict_every == 0
+            cache = jax.lax.cond(
+                due,
+                lambda c: eviction.evict(
+                    c,
+                    compression,
+                    policy_state,
+                    key=jax.random.fold_in(evict_key, s.step),
+                    max_drop=compression.evict_every,
+                    keep_rows=s.keep_rows,
+                ),
+                lambda c: c,
+                cache,
+            )
+        nxt = sample(logits, sampling, key=jax.random.fold_in(sample_key, s.step + 1))
+        return s.replace(cache=cache, tokens=tokens, next_token=nxt, done=done, step=s.step + 1)
 
     return jax.lax.while_loop(cond, body, state)
 
 
+def prefill_compressed(
+    params, prompt_BT, lengths_B, cache, *, config, compression, policy_state, key, capacity
+):
+    """Prefill, then evict down to the budget and compact into ``capacity`` slots.
+
+    Returns:
+        Last-token logits [B, V], the compressed cache, and the hybrid's exempt rows.
+    """
+    logits, cache = decoder.prefill(params, prompt_BT, cache, config=config, lengths_B=lengths_B)
+    keep_rows = None
+    if compression is not None and compression.policy.evicts:
+        keep_rows = eviction.hybrid_full_rows(cache, compression)
+        cache = eviction.evict(
+            cache,
+            compression,
+            policy_state,
+            key=key,
+            max_drop=cache.capacity,
+            keep_rows=keep_rows,
+        )
+    if cache.capacity > capacity:
+        cache = kvcache.compact(cache, capacity)
+    return logits, cache, keep_rows
+
+
 @functools.partial(
     jax.jit,
-    static_argnames=("config", "max_new_tokens", "sampling", "stop_tokens", "pad_id"),
+    static_argnames=(
+        "config",
+        "max_new_tokens",
+        "sampling",
+        "stop_tokens",
+        "pad_id",
+        "compression",
+        "capacity",
+    ),
     donate_argnames=("cache",),
 )
 def _generate_jit(
@@ -116,22 +175,37 @@ def _generate_jit(
     lengths_B,
     cache,
     key,
+    policy_state,
     *,
     config,
     max_new_tokens,
     sampling,
     stop_tokens,
     pad_id,
+    compression,
+    capacity,
 ):
     params = decoder.unstack_layers(params)  # slice the weights once, not at every step
-    logits, cache = decoder.prefill(params, prompt_BT, cache, config=config, lengths_B=lengths_B)
+    prefill_key, loop_key, evict_key = jax.random.split(key, 3)
+    logits, cache, keep_rows = prefill_compressed(
+        params,
+        prompt_BT,
+        lengths_B,
+        cache,
+        config=config,
+        compression=compression,
+        policy_state=policy_state,
+        key=evict_key,
+        capacity=capacity,
+    )
     B = prompt_BT.shape[0]
     state = DecodeState(
         cache=cache,
         tokens=jnp.full((B, max_new_tokens), pad_id, jnp.int32),
-        next_token=sample(logits, sampling, key=jax.random.fold_in(key, 0)),
+        next_token=sample(logits, sampling, key=prefill_key),
         done=jnp.zeros((B,), bool),
         step=jnp.zeros((), jnp.int32),
+        keep_rows=keep_rows,
     )
     return decode_loop(
         params,
@@ -140,7 +214,9 @@ def _generate_jit(
         sampling=sampling,
         stop_tokens=stop_tokens,
         pad_id=pad_id,
-        key=key,
+        key=loop_key,
+        compression=compression,
+        policy_state=policy_state,
     )
 
 
@@ -154,34 +230,64 @@ def generate_tokens(
     stop_tokens: Sequence[int] = (),
     pad_id: int = 0,
     key: jax.Array | None = None,
+    compression: Compression | None = None,
+    policy_state=None,
 ) -> list[list[int]]:
     """Generates from a batch of token-id prompts (different lengths allowed).
+
+    Args:
+        params: model parameters.
+        prompts: token-id lists.
+        config: the model config.
+        max_new_tokens: generated tokens at most.
+        sampling: greedy (default) or temperature/top-p.
+        stop_tokens: ids that end a sequence (kept in its output).
+        pad_id: id written after a sequence stopped.
+        key: PRNG key for sampling and random policies.
+        compression: KV-cache compression (None: full cache).
+        policy_state: the policy's state (``compression.policy.init()`` when None).
 
     Returns:
         For each prompt, the generated ids up to and including the first stop token.
     """
     prompt_BT, lengths_B = pad_prompts(prompts, vocab_size=config.vocab_size)
-    capacity = prompt_BT.shape[1] + max_new_tokens
+    n_max = prompt_BT.shape[1] + max_new_tokens
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if capacity > config.max_seq_len:
+    if n_max > config.max_seq_len:
         raise ValueError(
             f"prompt ({int(lengths_B.max())} tokens, padded to {prompt_BT.shape[1]}) + "
             f"{max_new_tokens} new tokens exceeds the model's max_seq_len {config.max_seq_len}"
         )
-    cache = kvcache.init_cache(config, batch_size=len(prompts), capacity=capacity)
-    state = _generate_jit(
-        params,
-        prompt_BT,
-        lengths_B,
-        cache,
-        jax.random.key(0) if key is None else key,
-        config=config,
-        max_new_tokens=max_new_tokens,
-        sampling=sampling,
-        stop_tokens=tuple(int(t) for t in stop_tokens),
-        pad_id=int(pad_id),
+    capacity = n_max if compression is None else compression.capacity(n_max)
+    if compression is not None and policy_state is None:
+        policy_state = compression.policy.init()
+    cache = kvcache.init_cache(
+        config,
+        batch_size=len(prompts),
+        capacity=max(capacity, prompt_BT.shape[1]),
+        stats=compression is not None,
+        window=compression.policy.window if compression is not None else 64,
     )
+    with warnings.catch_warnings():
+        # a prompt longer than the compressed capacity is compacted into a smaller cache,
+        # so the donated prefill buffers cannot be reused: expected, not a problem
+        warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+        state = _generate_jit(
+            params,
+            prompt_BT,
+            lengths_B,
+            cache,
+            jax.random.key(0) if key is None else key,
+            policy_state,
+            config=config,
+            max_new_tokens=max_new_tokens,
+            sampling=sampling,
+            stop_tokens=tuple(int(t) for t in stop_tokens),
+            pad_id=int(pad_id),
+            compression=compression,
+            capacity=capacity,
+        )
     return _trim(np.asarray(state.tokens), np.asarray(state.step), set(stop_tokens))
 
 
@@ -254,6 +360,10 @@ def generate(
     temperature: float = 0.0,
     top_p: float = 1.0,
     seed: int = 0,
+    policy: str | None = None,
+    ratio: float | None = None,
+    budget: int | None = None,
+    **compression_options,
 ) -> list[str]:
     """Generates text for one or several prompts with a loaded model (``jaxkv.load``).
 
@@ -265,11 +375,18 @@ def generate(
         temperature: 0 for greedy decoding; otherwise sampling temperature.
         top_p: nucleus-sampling mass.
         seed: sampling seed.
+        policy: eviction policy name (``jaxkv.policies.policy_names()``); None = full cache.
+        ratio: budget ratio r in (0, 1] (with ``policy``).
+        budget: absolute budget instead of ``ratio``.
+        **compression_options: further ``Compression`` fields (granularity, min_budget, ...).
 
     Returns:
         The decoded completions (stop tokens removed).
     """
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+    compression = None
+    if policy is not None:
+        compression = Compression.make(policy, ratio=ratio, budget=budget, **compression_options)
     ids = [encode_prompt(model.tokenizer, p, chat=chat) for p in prompts]
     stops = stop_token_ids(model.tokenizer)
     pad = model.tokenizer.pad_token_id
@@ -282,5 +399,94 @@ def generate(
         stop_tokens=stops,
         pad_id=stops[0] if pad is None else pad,
         key=jax.random.key(seed),
+        compression=compression,
     )
     return [model.tokenizer.decode(o, skip_special_tokens=True) for o in outs]
+
+
+@functools.partial(jax.jit, static_argnames=("config", "prompt_len", "compression", "capacity"))
+def _teacher_forced_jit(
+    params, tokens_BT, cache, key, policy_state, *, config, prompt_len, compression, capacity
+):
+    params = decoder.unstack_layers(params)
+    prefill_key, evict_key = jax.random.split(key)
+    logits, cache, keep_rows = prefill_compressed(
+        params,
+        tokens_BT[:, :prompt_len],
+        None,
+        cache,
+        config=config,
+        compression=compression,
+        policy_state=policy_state,
+        key=prefill_key,
+        capacity=capacity,
+    )
+
+    def step(cache, xs):
+        i, token_B = xs
+        out, cache = decoder.decode_step(params, token_B, cache, config=config)
+        if compression is not None and compression.policy.evicts:
+            due = (i + 1) % compression.evict_every == 0
+            cache = jax.lax.cond(
+                due,
+                lambda c: eviction.evict(
+                    c,
+                    compression,
+                    policy_state,
+                    key=jax.random.fold_in(evict_key, i),
+                    max_drop=compression.evict_every,
+                    keep_rows=keep_rows,
+                ),
+                lambda c: c,
+                cache,
+            )
+        return cache, out
+
+    rest = tokens_BT[:, prompt_len:-1].T
+    cache, outs = jax.lax.scan(step, cache, (jnp.arange(rest.shape[0]), rest))
+    return jnp.concatenate([logits[:, None], jnp.moveaxis(outs, 0, 1)], axis=1), cache
+
+
+def teacher_forced(
+    params: dict,
+    tokens_BT: jax.Array,
+    *,
+    prompt_len: int,
+    config: ModelConfig,
+    compression: Compression | None = None,
+    policy_state=None,
+    key: jax.Array | None = None,
+):
+    """Logits of a compressed cache fed a fixed token stream (teacher forcing).
+
+    The first ``prompt_len`` tokens are prefilled (then evicted down to the budget); each
+    later token is decoded one at a time with eviction after every step, as in generation.
+
+    Returns:
+        Logits [B, T - prompt_len, V] predicting tokens ``prompt_len .. T-1`` (the same
+        positions as ``forward(...)[:, prompt_len - 1 : -1]``), and the final cache.
+    """
+    B, T = tokens_BT.shape
+    if not 0 < prompt_len < T:
+        raise ValueError(f"prompt_len must be in [1, {T - 1}], got {prompt_len}")
+    capacity = T if compression is None else compression.capacity(T)
+    if compression is not None and policy_state is None:
+        policy_state = compression.policy.init()
+    cache = kvcache.init_cache(
+        config,
+        batch_size=B,
+        capacity=max(capacity, prompt_len),
+        stats=compression is not None,
+        window=compression.policy.window if compression is not None else 64,
+    )
+    return _teacher_forced_jit(
+        params,
+        jnp.asarray(tokens_BT, jnp.int32),
+        cache,
+        jax.random.key(0) if key is None else key,
+        policy_state,
+        config=config,
+        prompt_len=prompt_len,
+        compression=compression,
+        capacity=capacity,
+    )

@@ -1,12 +1,13 @@
 """The KV cache: one frozen pytree with a fixed number of slots.
 
 Every per-slot array shares the slot axis C as its axis 3 (``[L, B, K, C, ...]``), so one
-``gather`` moves them all. A slot is empty iff its ``pos`` is -1; validity is never stored
+``gather`` moves them all. A slot is free iff its ``pos`` is -1; validity is never stored
 twice. Keys are stored after RoPE, at the token's original position.
 
-``cursor`` is the next free slot, shared by the batch (sequences of different lengths leave
-empty slots behind, which eviction compacts away). ``length[b]`` counts the tokens sequence b
-has processed: it is the position of its next token.
+New tokens go into the first free slots of each (layer, sequence, KV head) row, so evicting a
+token is just freeing its slot (``free_slots``): no key or value moves. ``gather`` compacts a
+cache into a new capacity (after prefill, when a long prompt is cut to its budget).
+``length[b]`` counts the tokens sequence b has processed: the position of its next token.
 """
 
 from __future__ import annotations
@@ -17,7 +18,16 @@ from flax import struct
 
 from jaxkv.config import ModelConfig
 
-EMPTY = -1
+FREE = -1
+
+# Per-slot attention statistics (each [L, B, K, C] float32), updated inside attention:
+#   attn       mass from the final query of the latest pass, mean over the G query heads
+#   attn_sq    mean over G of that mass squared (variance across heads = attn_sq - attn^2)
+#   attn_cum   mass summed over every query so far, mean over G (H2O's heavy hitters)
+#   recent     sum over queries q of lam^age(q) * mass, lam = exp(-1/window), mean over G
+#   recent_ent same, each query's mass weighted by its attention entropy H(a_q)
+#   vnorm      L2 norm of the value vector
+STAT_NAMES = ("attn", "attn_sq", "attn_cum", "recent", "recent_ent", "vnorm")
 
 
 @struct.dataclass
@@ -27,18 +37,21 @@ class KVCache:
     Attributes:
         k: [L, B, K, C, H] post-RoPE keys.
         v: [L, B, K, C, H] values.
-        pos: [L, B, K, C] int32 token position held by each slot, -1 when empty.
-        stats: per-slot accumulators, each [L, B, K, C] (attention statistics for policies).
-        cursor: [] int32 next free slot.
+        pos: [L, B, K, C] int32 token position held by each slot, -1 when free.
+        stats: per-slot statistics, each [L, B, K, C] (empty: the decoder computes none).
         length: [B] int32 tokens processed so far per sequence.
+        overflow: [] bool, a write found no free slot (set under jit, where raising is
+            impossible; the decoder then returns NaN logits).
+        window: time constant (in queries) of the ``recent`` statistics (static).
     """
 
     k: jax.Array
     v: jax.Array
     pos: jax.Array
     stats: dict
-    cursor: jax.Array
     length: jax.Array
+    overflow: jax.Array
+    window: int = struct.field(pytree_node=False, default=64)
 
     @property
     def capacity(self) -> int:
@@ -54,7 +67,7 @@ class KVCache:
         return self.pos >= 0
 
     def nbytes(self) -> int:
-        """Bytes held by all slot arrays (the real memory of the cache)."""
+        """Bytes held by all arrays of the cache (its real memory)."""
         return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(self))
 
 
@@ -64,21 +77,34 @@ def init_cache(
     batch_size: int,
     capacity: int,
     dtype=None,
-    stat_names: tuple[str, ...] = (),
+    stats: bool = False,
+    window: int = 64,
 ) -> KVCache:
-    """An empty cache with ``capacity`` slots for ``batch_size`` sequences."""
+    """An empty cache with ``capacity`` slots for ``batch_size`` sequences.
+
+    Args:
+        config: the model config.
+        batch_size: sequences.
+        capacity: slots per (layer, sequence, KV head).
+        dtype: key/value dtype (default: the model's).
+        stats: carry the attention statistics that eviction policies read.
+        window: time constant of the ``recent`` statistics, in queries.
+    """
     if batch_size < 1 or capacity < 1:
         raise ValueError(f"batch_size and capacity must be >= 1, got {batch_size}, {capacity}")
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
     dtype = dtype or config.jnp_dtype
     L, K, H = config.n_layers, config.n_kv_heads, config.head_dim
     shape = (L, batch_size, K, capacity)
     return KVCache(
         k=jnp.zeros((*shape, H), dtype),
         v=jnp.zeros((*shape, H), dtype),
-        pos=jnp.full(shape, EMPTY, jnp.int32),
-        stats={name: jnp.zeros(shape, jnp.float32) for name in stat_names},
-        cursor=jnp.zeros((), jnp.int32),
+        pos=jnp.full(shape, FREE, jnp.int32),
+        stats={n: jnp.zeros(shape, jnp.float32) for n in STAT_NAMES} if stats else {},
         length=jnp.zeros((batch_size,), jnp.int32),
+        overflow=jnp.zeros((), bool),
+        window=window,
     )
 
 
@@ -87,14 +113,39 @@ def _is_concrete(x) -> bool:
 
 
 def check_room(cache: KVCache, n_new: int) -> None:
-    """Raises if ``n_new`` more slots do not fit (only when the cursor is concrete)."""
-    if _is_concrete(cache.cursor):
-        used = int(cache.cursor)
-        if used + n_new > cache.capacity:
+    """Raises if some row has fewer than ``n_new`` free slots (only outside jit)."""
+    if _is_concrete(cache.pos):
+        n_free = int(jnp.min(jnp.sum(cache.pos < 0, axis=-1)))
+        if n_free < n_new:
             raise ValueError(
-                f"KV cache overflow: {used} slots used + {n_new} new tokens > capacity "
+                f"KV cache overflow: {n_new} new tokens but only {n_free} free slots of "
                 f"{cache.capacity}; allocate a larger cache or evict first"
             )
+
+
+def first_free(pos_LBKC: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
+    """The ``n`` lowest free slot indices of every row, and whether each row had room.
+
+    Returns:
+        slots [L, B, K, n] int32 and ok [L, B, K] bool.
+    """
+    C = pos_LBKC.shape[-1]
+    free = pos_LBKC < 0
+    if n == 1:
+        slots = jnp.argmax(free, axis=-1)[..., None]
+    else:
+        order = jnp.where(free, jnp.arange(C), C + jnp.arange(C))
+        slots = jax.lax.top_k(-order, n)[1]
+    return slots.astype(jnp.int32), jnp.sum(free, axis=-1) >= n
+
+
+def _scatter(x, slots_LBKT, upd):
+    """x[l, b, k, slots[l, b, k, t]] = upd[l, b, k, t] for every row."""
+    L, B, K, T = slots_LBKT.shape
+    li, bi, ki = jnp.ix_(jnp.arange(L), jnp.arange(B), jnp.arange(K))
+    return x.at[li[..., None], bi[..., None], ki[..., None], slots_LBKT].set(
+        upd.astype(x.dtype), unique_indices=True
+    )
 
 
 def append(
@@ -102,38 +153,31 @@ def append(
     k_LBKTH: jax.Array,
     v_LBKTH: jax.Array,
     pos_BT: jax.Array,
-    stats: dict | None = None,
+    new_stats: dict | None = None,
 ) -> KVCache:
-    """Writes T new tokens at slots ``cursor .. cursor+T-1`` of every layer and head.
+    """Writes T new tokens into the first T free slots of every row.
 
-    ``pos_BT`` is -1 for padding tokens, which leave empty slots. ``stats`` optionally gives
-    the new slots' accumulators ([L, B, K, T] each; missing ones start at zero). Under jit an
-    overflow cannot raise: the cursor then runs past the capacity and ``overflowed`` reports
-    it (the decoder turns the logits to NaN), so it is never silent.
+    ``pos_BT`` is -1 for padding tokens, whose slots stay free. ``new_stats`` gives the new
+    slots' statistics ([L, B, K, T] each; required when the cache carries statistics).
     """
-    T = k_LBKTH.shape[3]
-    check_room(cache, T)
-    L, B, K = cache.pos.shape[:3]
-    start = (0, 0, 0, cache.cursor)
-    pos_LBKT = jnp.broadcast_to(pos_BT[None, :, None, :], (L, B, K, T)).astype(jnp.int32)
-    new_stats = {}
-    for name, acc in cache.stats.items():
-        upd = (stats or {}).get(name, jnp.zeros((L, B, K, T), acc.dtype))
-        new_stats[name] = jax.lax.dynamic_update_slice(acc, upd.astype(acc.dtype), start)
-    n_real = jnp.sum(pos_BT >= 0, axis=1).astype(jnp.int32)
+    check_room(cache, k_LBKTH.shape[3])
+    L, B, K, T = k_LBKTH.shape[:4]
+    slots, ok = first_free(cache.pos, T)
+    pos_LBKT = jnp.broadcast_to(pos_BT[None, :, None, :], (L, B, K, T))
+    stats = {n: _scatter(a, slots, new_stats[n]) for n, a in cache.stats.items()}
     return cache.replace(
-        k=jax.lax.dynamic_update_slice(cache.k, k_LBKTH.astype(cache.k.dtype), (*start, 0)),
-        v=jax.lax.dynamic_update_slice(cache.v, v_LBKTH.astype(cache.v.dtype), (*start, 0)),
-        pos=jax.lax.dynamic_update_slice(cache.pos, pos_LBKT, start),
-        stats=new_stats,
-        cursor=cache.cursor + T,
-        length=cache.length + n_real,
+        k=_scatter(cache.k, slots, k_LBKTH),
+        v=_scatter(cache.v, slots, v_LBKTH),
+        pos=_scatter(cache.pos, slots, pos_LBKT),
+        stats=stats,
+        length=cache.length + jnp.sum(pos_BT >= 0, axis=1).astype(jnp.int32),
+        overflow=cache.overflow | ~jnp.all(ok),
     )
 
 
-def overflowed(cache: KVCache) -> jax.Array:
-    """[] bool: more tokens were appended than the cache holds (their keys were lost)."""
-    return cache.cursor > cache.capacity
+def free_slots(cache: KVCache, drop_LBKC: jax.Array) -> KVCache:
+    """Evicts the slots where ``drop`` is true (broadcast to [L, B, K, C]) by freeing them."""
+    return cache.replace(pos=jnp.where(drop_LBKC, FREE, cache.pos))
 
 
 def broadcast_index(cache: KVCache, idx: jax.Array) -> jax.Array:
@@ -155,11 +199,11 @@ def gather(cache: KVCache, idx: jax.Array, *, capacity: int | None = None) -> KV
     Args:
         cache: the cache.
         idx: slot indices, ``[B, C']``, ``[L, B, C']`` or ``[L, B, K, C']`` (see
-            ``broadcast_index``); an index of -1 yields an empty slot.
-        capacity: slots of the result (default C'); extra slots are empty, so new tokens fit.
+            ``broadcast_index``); an index of -1 yields a free slot.
+        capacity: slots of the result (default C'); the extra slots are free.
 
     Returns:
-        A cache with ``capacity`` slots whose first C' hold the gathered ones; cursor = C'.
+        A cache with ``capacity`` slots whose first C' hold the gathered ones.
     """
     idx_LBKc = broadcast_index(cache, idx).astype(jnp.int32)
     n_keep = idx_LBKc.shape[-1]
@@ -181,7 +225,24 @@ def gather(cache: KVCache, idx: jax.Array, *, capacity: int | None = None) -> KV
     return cache.replace(
         k=take(cache.k, 0),
         v=take(cache.v, 0),
-        pos=take(cache.pos, EMPTY),
+        pos=take(cache.pos, FREE),
         stats={name: take(acc, 0) for name, acc in cache.stats.items()},
-        cursor=jnp.asarray(n_keep, jnp.int32),
     )
+
+
+def compact(cache: KVCache, capacity: int) -> KVCache:
+    """Moves each row's occupied slots (in slot order) to the front of a ``capacity`` cache.
+
+    Raises (outside jit) when some row holds more tokens than ``capacity``; under jit the
+    overflow flag is set instead.
+    """
+    C = cache.capacity
+    n_used = jnp.sum(cache.pos >= 0, axis=-1)
+    if _is_concrete(n_used) and int(jnp.max(n_used)) > capacity:
+        raise ValueError(f"cannot compact {int(jnp.max(n_used))} tokens into {capacity} slots")
+    order = jnp.where(cache.pos >= 0, jnp.arange(C), C + jnp.arange(C))
+    k = min(capacity, C)
+    idx = jax.lax.top_k(-order, k)[1]
+    idx = jnp.where(jnp.take_along_axis(cache.pos, idx, axis=-1) >= 0, idx, -1)
+    out = gather(cache, idx, capacity=capacity)
+    return out.replace(overflow=out.overflow | jnp.any(n_used > capacity))

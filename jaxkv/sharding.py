@@ -32,8 +32,8 @@ CACHE_AXES = {
     "v": ("layers", "batch", "kv_heads", "slots", "head_dim"),
     "pos": ("layers", "batch", "kv_heads", "slots"),
     "stats": ("layers", "batch", "kv_heads", "slots"),
-    "cursor": (),
     "length": ("batch",),
+    "overflow": (),
 }
 
 
@@ -81,8 +81,8 @@ def cache_shardings(cache, mesh: Mesh):
         v=one("v", cache.v),
         pos=one("pos", cache.pos),
         stats={n: one("stats", a) for n, a in cache.stats.items()},
-        cursor=one("cursor", cache.cursor),
         length=one("length", cache.length),
+        overflow=one("overflow", cache.overflow),
     )
 
 

@@ -65,7 +65,6 @@ def jax_decode(model, batch, ctx, steps):
         k=cache.k.at[:, :, :, :ctx].set(jax.random.normal(rng, shape)),
         v=cache.v.at[:, :, :, :ctx].set(jax.random.normal(jax.random.fold_in(rng, 1), shape)),
         pos=cache.pos.at[:, :, :, :ctx].set(jnp.arange(ctx)),
-        cursor=jnp.asarray(ctx, jnp.int32),
         length=jnp.full((batch,), ctx, jnp.int32),
     )
     step = jax.jit(lambda p, t, c: decoder.decode_step(p, t, c, config=cfg), donate_argnums=2)

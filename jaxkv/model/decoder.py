@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv import kvcache
+from jaxkv import stats as attn_stats
 from jaxkv.config import ModelConfig
 from jaxkv.kvcache import KVCache
 from jaxkv.model import layers
@@ -88,26 +89,41 @@ def prompt_positions(tokens_BT: jax.Array, lengths_B: jax.Array | None) -> jax.A
     return jnp.where(t < lengths_B[:, None], t, -1)
 
 
-def _self_attention_stack(params, tokens_BT, pos_BT, config: ModelConfig):
-    """Runs all layers with causal self-attention only; returns hidden states and new k, v."""
+def _self_attention_stack(params, tokens_BT, pos_BT, config: ModelConfig, *, stat_window=None):
+    """Runs all layers with causal self-attention only.
+
+    Returns:
+        Hidden states [B, T, D], new keys and values [L, B, K, T, H], and (with
+        ``stat_window``) the statistics of the new slots ({name: [L, B, K, T]}), else None.
+    """
+    weights = None if stat_window is None else attn_stats.query_weights(pos_BT, stat_window)
     x = _embed(params, tokens_BT, config)
-    ks, vs = [], []
+    ks, vs, per_layer = [], [], []
     for i in range(config.n_layers):
         lp = _layer(params, i)
         q, k, v = _project_qkv(lp, x, pos_BT, config)
-        attn = layers.causal_block_attention(
-            q, k, v, pos_BT, window=config.sliding_window, block=PREFILL_BLOCK
+        attn, st = layers.causal_block_attention(
+            q,
+            k,
+            v,
+            pos_BT,
+            window=config.sliding_window,
+            block=PREFILL_BLOCK,
+            stat_weights_BT3=weights,
         )
         x = _finish_layer(lp, x, attn, config)
         ks.append(k)
         vs.append(v)
-    return x, jnp.stack(ks), jnp.stack(vs)
+        if st is not None:
+            per_layer.append({**st, "vnorm": attn_stats.value_norms(v)})
+    new_stats = attn_stats.stack_layers(per_layer) if per_layer else None
+    return x, jnp.stack(ks), jnp.stack(vs), new_stats
 
 
 def forward(params: dict, tokens_BT: jax.Array, *, config: ModelConfig, lengths_B=None):
     """Logits [B, T, V] (float32) of every position; padding positions are garbage."""
     pos_BT = prompt_positions(tokens_BT, lengths_B)
-    x, _, _ = _self_attention_stack(params, tokens_BT, pos_BT, config)
+    x = _self_attention_stack(params, tokens_BT, pos_BT, config)[0]
     return _logits(params, x, config)
 
 
@@ -119,26 +135,34 @@ def prefill(
     Args:
         params: model parameters.
         tokens_BT: prompt tokens, right-padded.
-        cache: an empty cache (cursor 0) with at least T slots.
+        cache: an empty cache with at least T slots; when it carries statistics they are
+            computed inside attention (``jaxkv.stats``).
         config: the model config.
         lengths_B: real prompt lengths (default: all T).
 
     Returns:
         Logits [B, V] at each sequence's last real token, and the filled cache.
     """
-    if not isinstance(cache.cursor, jax.core.Tracer) and int(cache.cursor) != 0:
+    if not isinstance(cache.pos, jax.core.Tracer) and bool(jnp.any(cache.pos >= 0)):
         raise ValueError("prefill needs an empty cache; use extend() to add to a filled one")
     kvcache.check_room(cache, tokens_BT.shape[1])
     pos_BT = prompt_positions(tokens_BT, lengths_B)
-    x, k_LBKTH, v_LBKTH = _self_attention_stack(params, tokens_BT, pos_BT, config)
+    window = cache.window if cache.stats else None
+    x, k_LBKTH, v_LBKTH, new_stats = _self_attention_stack(
+        params, tokens_BT, pos_BT, config, stat_window=window
+    )
     last_B = jnp.max(pos_BT, axis=1)
     x_BD = jnp.take_along_axis(x, last_B[:, None, None], axis=1)[:, 0]
-    cache = kvcache.append(cache, k_LBKTH, v_LBKTH, pos_BT)
+    cache = kvcache.append(cache, k_LBKTH, v_LBKTH, pos_BT, new_stats)
     return _guard(_logits(params, x_BD, config), cache), cache
 
 
 def _cached_attention(q, k_new, v_new, pos_BT, cache: KVCache, i: int, config: ModelConfig):
-    """Attention of new queries over layer i's cache slots plus the new tokens."""
+    """Attention of new queries over layer i's cache slots plus the new tokens.
+
+    Returns:
+        The output [B, K, G, T, H] and the probabilities [B, K, G, T, C + T].
+    """
     ck, cv, cpos = cache.k[i], cache.v[i], cache.pos[i]
     s = jnp.concatenate([layers.scores(q, ck), layers.scores(q, k_new)], axis=-1)
     q_pos = pos_BT[:, None, None, :, None]
@@ -152,7 +176,8 @@ def _cached_attention(q, k_new, v_new, pos_BT, cache: KVCache, i: int, config: M
     )
     p = layers.masked_softmax(s, mask)
     C = ck.shape[2]
-    return layers.weighted_values(p[..., :C], cv) + layers.weighted_values(p[..., C:], v_new)
+    out = layers.weighted_values(p[..., :C], cv) + layers.weighted_values(p[..., C:], v_new)
+    return out, p
 
 
 def extend(
@@ -160,21 +185,42 @@ def extend(
 ) -> tuple[jax.Array, KVCache]:
     """Appends T tokens per sequence at positions ``cache.length + t``.
 
+    When the cache carries statistics, those of the cached slots are updated and those of the
+    new slots computed, from the same attention probabilities.
+
     Returns:
         Logits [B, T, V] and the cache with the new keys and values appended.
     """
     kvcache.check_room(cache, tokens_BT.shape[1])
     T = tokens_BT.shape[1]
     pos_BT = cache.length[:, None] + jnp.arange(T, dtype=jnp.int32)
+    weights = attn_stats.query_weights(pos_BT, cache.window) if cache.stats else None
+    C = cache.capacity
     x = _embed(params, tokens_BT, config)
-    ks, vs = [], []
+    ks, vs, old_st, new_st = [], [], [], []
     for i in range(config.n_layers):
         lp = _layer(params, i)
         q, k, v = _project_qkv(lp, x, pos_BT, config)
-        x = _finish_layer(lp, x, _cached_attention(q, k, v, pos_BT, cache, i, config), config)
+        attn, p = _cached_attention(q, k, v, pos_BT, cache, i, config)
+        x = _finish_layer(lp, x, attn, config)
         ks.append(k)
         vs.append(v)
-    cache = kvcache.append(cache, jnp.stack(ks), jnp.stack(vs), pos_BT)
+        if weights is not None:
+            st = attn_stats.contributions(p, weights)
+            old_st.append({n: a[..., :C] for n, a in st.items()})
+            new_st.append(
+                {**{n: a[..., C:] for n, a in st.items()}, "vnorm": attn_stats.value_norms(v)}
+            )
+    if weights is not None:
+        merged = attn_stats.merge(
+            cache.stats,
+            attn_stats.stack_layers(old_st),
+            n_queries_B=jnp.full((x.shape[0],), T),
+            window=cache.window,
+        )
+        cache = cache.replace(stats=merged)
+    new_stats = attn_stats.stack_layers(new_st) if new_st else None
+    cache = kvcache.append(cache, jnp.stack(ks), jnp.stack(vs), pos_BT, new_stats)
     return _guard(_logits(params, x, config), cache), cache
 
 
@@ -188,4 +234,4 @@ def decode_step(
 
 def _guard(logits, cache: KVCache):
     """NaN logits when the cache overflowed under jit: loud, never silently wrong."""
-    return jnp.where(kvcache.overflowed(cache), jnp.nan, logits)
+    return jnp.where(cache.overflow, jnp.nan, logits)

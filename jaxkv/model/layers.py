@@ -9,6 +9,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxkv import stats as attn_stats
+
 NEG_INF = -1e30
 
 
@@ -76,14 +78,19 @@ def causal_block_attention(
     *,
     window: int | None,
     block: int,
-) -> jax.Array:
+    stat_weights_BT3: jax.Array | None = None,
+):
     """Causal self-attention over T tokens whose slot t holds position t (or -1).
 
     Queries go in blocks; block i reads only keys [lo, hi) that it can see, which keeps the
     work near T^2/2 (and T*window with a sliding window) instead of T^2.
+
+    Returns:
+        The attention output [B, K, G, T, H], and with ``stat_weights_BT3`` the statistics
+        each key received (``jaxkv.stats.contributions``, [B, K, T] each), else None.
     """
     T = q_BKGTH.shape[3]
-    outs = []
+    outs, stats = [], None
     for start in range(0, T, block):
         stop = min(start + block, T)
         lo = 0 if window is None else max(0, start - window + 1)
@@ -92,5 +99,11 @@ def causal_block_attention(
         mask = visible(
             pos_BT[:, None, None, start:stop, None], pos_BT[:, None, None, None, lo:stop], window
         )
-        outs.append(weighted_values(masked_softmax(s, mask), v_BKTH[:, :, lo:stop]))
-    return jnp.concatenate(outs, axis=3)
+        p = masked_softmax(s, mask)
+        outs.append(weighted_values(p, v_BKTH[:, :, lo:stop]))
+        if stat_weights_BT3 is not None:
+            part = attn_stats.contributions(p, stat_weights_BT3[:, start:stop])
+            padded = {n: jnp.pad(x, [(0, 0), (0, 0), (lo, T - stop)]) for n, x in part.items()}
+            # every statistic adds up over blocks (the final query lies in one block only)
+            stats = padded if stats is None else jax.tree.map(jnp.add, stats, padded)
+    return jnp.concatenate(outs, axis=3), stats

@@ -1,0 +1,1 @@
+"""Evaluation suite: task data (``tasks``, ``data``) and metrics (``metrics``), no model code."""

@@ -1,0 +1,82 @@
+"""The policy interface: an ``(init, score)`` pair, and the registry of policies by name.
+
+``score(state, cache, *, budget_B, key)`` returns a keep-score per slot, either
+``[L, B, K, C]`` (per layer and KV head) or ``[B, C]`` (one per token); higher means keep.
+Policies only score: budgets, top-B selection and freeing slots live in ``jaxkv.eviction``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+GRANULARITIES = ("shared", "layer", "head")
+TIER = 2.0  # added to the [0, 1) scores of protected slots (sinks, recent windows)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Policy:
+    """A KV eviction policy.
+
+    Attributes:
+        name: registry name.
+        score: ``(state, cache, *, budget_B, key) -> scores``.
+        init: ``() -> state`` (a pytree, e.g. learned weights; None for heuristics).
+        granularities: selection granularities it supports (see ``GRANULARITIES``).
+        window: time constant of the cache's ``recent`` statistics it reads.
+        evicts: False for ``full`` (the engine then keeps everything).
+        spec: hashable identity (name and settings): equal specs are the same policy, so
+            jit caches compiled code across equal policies.
+    """
+
+    name: str
+    score: Callable[..., Any]
+    init: Callable[[], Any] = lambda: None
+    granularities: tuple[str, ...] = GRANULARITIES
+    window: int = 64
+    evicts: bool = True
+    spec: tuple = ()
+
+    def __hash__(self):
+        return hash((self.name, self.spec))
+
+    def __eq__(self, other):
+        return isinstance(other, Policy) and (self.name, self.spec) == (other.name, other.spec)
+
+    def __repr__(self):
+        return f"Policy({self.name}{dict(self.spec) if self.spec else ''})"
+
+
+_REGISTRY: dict[str, Callable[..., Policy]] = {}
+
+
+def register(name: str):
+    """Decorator adding a policy factory to the registry."""
+
+    def add(factory):
+        _REGISTRY[name] = factory
+        return factory
+
+    return add
+
+
+def policy_names() -> list[str]:
+    return sorted(_REGISTRY) + ["learned:<checkpoint>"]
+
+
+def get_policy(name: str, **settings) -> Policy:
+    """A policy by registry name (``"h2o"``, ``"snapkv"``, ..., ``"learned:<path>"``).
+
+    Raises:
+        ValueError: unknown name, listing the valid ones.
+    """
+    from jaxkv.policies import heuristics  # noqa: F401  (registers the heuristics)
+
+    if name.startswith("learned:"):
+        from jaxkv.policies.learned import load_learned
+
+        return load_learned(name.split(":", 1)[1], **settings)
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown policy {name!r}; choose one of {policy_names()}")
+    return _REGISTRY[name](**settings)

@@ -1,0 +1,246 @@
+"""The compression engine: statistics, policies, budgets, eviction, compressed generation."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from np_reference import RefModel
+
+from jaxkv import eviction, kvcache, stats
+from jaxkv.config import ModelConfig
+from jaxkv.eviction import Compression
+from jaxkv.generate import DecodeState, Sampling, decode_loop, generate_tokens, teacher_forced
+from jaxkv.model import decoder
+from jaxkv.model.params import init_params
+from jaxkv.policies.base import Policy, get_policy, policy_names
+
+CFG = ModelConfig.tiny()
+PARAMS = init_params(CFG, key=jax.random.key(0), scale=0.2)
+HEURISTICS = ["random", "streaming_llm", "h2o", "snapkv", "tova", "keydiff", "knorm"]
+TOKENS = jax.random.randint(jax.random.key(1), (2, 40), 0, CFG.vocab_size)
+
+
+@pytest.fixture(scope="module")
+def full_stream():
+    return teacher_forced(PARAMS, TOKENS, prompt_len=12, config=CFG)[0]
+
+
+@pytest.mark.parametrize("name", HEURISTICS)
+def test_ratio_one_equals_full_cache_logit_for_logit(name, full_stream):
+    comp = Compression.make(name, ratio=1.0)
+    logits, cache = teacher_forced(PARAMS, TOKENS, prompt_len=12, config=CFG, compression=comp)
+    np.testing.assert_array_equal(np.asarray(logits), np.asarray(full_stream))
+
+
+def test_budget_above_tokens_seen_equals_full_cache(full_stream):
+    big_budget = Compression.make("snapkv", budget=64)
+    logits, _ = teacher_forced(PARAMS, TOKENS, prompt_len=12, config=CFG, compression=big_budget)
+    np.testing.assert_array_equal(np.asarray(logits), np.asarray(full_stream))
+
+
+def test_ratio_one_generation_equals_full_cache_with_ragged_batch():
+    prompts = [list(range(1, 40)), list(range(5, 20)), [7, 8, 9]]
+    full = generate_tokens(PARAMS, prompts, config=CFG, max_new_tokens=8)
+    for name in HEURISTICS:
+        comp = Compression.make(name, ratio=1.0)
+        assert (
+            generate_tokens(PARAMS, prompts, config=CFG, max_new_tokens=8, compression=comp) == full
+        )
+
+
+@pytest.mark.parametrize("name", HEURISTICS)
+def test_every_policy_compresses_a_ragged_batch_under_jit(name):
+    prompts = [list(range(1, 50)), list(range(5, 20))]
+    comp = Compression.make(name, ratio=0.25, min_budget=4)
+    out = generate_tokens(PARAMS, prompts, config=CFG, max_new_tokens=6, compression=comp)
+    assert [len(o) for o in out] == [6, 6]
+    assert all(0 <= t < CFG.vocab_size for o in out for t in o)
+
+
+def test_budget_follows_tokens_seen_and_the_cache_really_shrinks():
+    comp = Compression.make("h2o", ratio=0.25)
+    np.testing.assert_array_equal(comp.budget_for(jnp.array([10, 200, 4000])), [32, 50, 1000])
+    n_max = 4096 + 64
+    assert comp.capacity(n_max) == 1040 + 1
+    full = jax.eval_shape(lambda: kvcache.init_cache(CFG, batch_size=8, capacity=n_max))
+    small = jax.eval_shape(
+        lambda: kvcache.init_cache(CFG, batch_size=8, capacity=comp.capacity(n_max), stats=True)
+    )
+    nbytes = lambda c: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(c))  # noqa: E731
+    assert nbytes(small) / nbytes(full) < 0.30
+    _, cache = teacher_forced(
+        PARAMS,
+        TOKENS,
+        prompt_len=12,
+        config=CFG,
+        compression=Compression.make("h2o", ratio=0.25, min_budget=4),
+    )
+    assert cache.capacity == 11  # floor(0.25 * 40) + 1 slot of slack
+    np.testing.assert_array_equal(jnp.sum(cache.pos >= 0, axis=-1), 9)  # floor(0.25 * 39)
+
+
+def _run_with_reference(comp, config=CFG, n_steps=5, prompt_len=10):
+    """Runs jaxkv (prefill + evict + decode/evict steps) beside the numpy reference, which
+    sees exactly the tokens jaxkv kept. Yields (jax logits, ref logits, cache, ref)."""
+    toks = np.asarray(TOKENS[0, : prompt_len + n_steps])
+    ref = RefModel(PARAMS, config, window=comp.policy.window)
+    cache = kvcache.init_cache(
+        config, batch_size=1, capacity=prompt_len + n_steps, stats=True, window=comp.policy.window
+    )
+    state = comp.policy.init()
+    logits, cache = decoder.prefill(
+        PARAMS, jnp.asarray(toks[None, :prompt_len]), cache, config=config
+    )
+    empty = {(l, k): [] for l in range(config.n_layers) for k in range(config.n_kv_heads)}
+    ref_logits = ref.run_pass(toks[:prompt_len], list(range(prompt_len)), empty)
+    yield logits[0], ref_logits[-1], cache, ref
+    for t in range(prompt_len, prompt_len + n_steps):
+        cache = eviction.evict(cache, comp, state, key=jax.random.key(t), max_drop=cache.capacity)
+        visible = {
+            (l, k): [int(p) for p in cache.pos[l, 0, k] if p >= 0]
+            for l in range(config.n_layers)
+            for k in range(config.n_kv_heads)
+        }
+        logits, cache = decoder.decode_step(
+            PARAMS, jnp.asarray(toks[t : t + 1]), cache, config=config
+        )
+        ref_logits = ref.run_pass(toks[t : t + 1], [t], visible)
+        yield logits[0], ref_logits[-1], cache, ref
+
+
+def _assert_stats_match(cache, ref):
+    for l in range(CFG.n_layers):
+        for k in range(CFG.n_kv_heads):
+            for slot, p in enumerate(np.asarray(cache.pos[l, 0, k])):
+                if p < 0:
+                    continue
+                want = ref.stats[(l, k, int(p))]
+                for name in kvcache.STAT_NAMES:
+                    got = float(cache.stats[name][l, 0, k, slot])
+                    assert got == pytest.approx(want[name], rel=1e-4, abs=1e-6), (name, l, k, p)
+
+
+@pytest.mark.parametrize("granularity", ["shared", "head"])
+def test_statistics_and_logits_equal_brute_force_after_evictions(granularity):
+    comp = Compression.make("h2o", ratio=0.5, min_budget=3, granularity=granularity)
+    for logits, ref_logits, cache, ref in _run_with_reference(comp):
+        np.testing.assert_allclose(np.asarray(logits), ref_logits, atol=2e-5, rtol=0)
+        _assert_stats_match(cache, ref)
+
+
+def test_sliding_window_positions_stay_right_after_eviction():
+    comp = Compression.make("streaming_llm", ratio=0.5, min_budget=4)
+    for logits, ref_logits, _, _ in _run_with_reference(comp, CFG.replace(sliding_window=6)):
+        np.testing.assert_allclose(np.asarray(logits), ref_logits, atol=2e-5, rtol=0)
+
+
+def test_streaming_llm_keeps_exactly_sinks_and_most_recent():
+    comp = Compression.make("streaming_llm", budget=10)
+    _, cache = teacher_forced(PARAMS, TOKENS, prompt_len=20, config=CFG, compression=comp)
+    kept = sorted(int(p) for p in cache.pos[0, 0, 0] if p >= 0)
+    assert kept == [0, 1, 2, 3] + list(range(33, 39))
+    assert bool(jnp.all(cache.pos == cache.pos[:1, :, :1]))  # one set for all layers/heads
+
+
+def test_h2o_scores_are_accumulated_attention_plus_recent_window():
+    cache = kvcache.init_cache(CFG, batch_size=1, capacity=16, stats=True)
+    _, cache = decoder.prefill(PARAMS, TOKENS[:1, :16], cache, config=CFG)
+    pol = get_policy("h2o", recent_fraction=0.25)
+    s = pol.score(None, cache, budget_B=jnp.array([8]), key=None)
+    recent = np.asarray(cache.pos) >= 14  # 25 % of 8 = 2 most recent positions
+    cum = np.asarray(cache.stats["attn_cum"])
+    unit = cum / cum.max(axis=-1, keepdims=True)  # heavy hitters scaled into [0, 1) per row
+    np.testing.assert_allclose(np.asarray(s)[~recent], unit[~recent], rtol=1e-6)
+    recency = np.asarray(cache.pos) / 15.0  # the recent tier ranks by recency
+    np.testing.assert_allclose(np.asarray(s)[recent], 2.0 + recency[recent], rtol=1e-6)
+    # prefill accumulated attention: column sums of the causal attention, mean over heads
+    assert float(jnp.sum(cache.stats["attn_cum"][0, 0, 0])) == pytest.approx(16.0, rel=1e-5)
+
+
+def test_per_head_selection_keeps_different_tokens_in_different_heads():
+    comp = Compression.make("tova", budget=6, granularity="head")
+    _, cache = teacher_forced(PARAMS, TOKENS, prompt_len=20, config=CFG, compression=comp)
+    sets = {
+        tuple(sorted(int(p) for p in cache.pos[l, 0, k] if p >= 0))
+        for l in range(CFG.n_layers)
+        for k in range(CFG.n_kv_heads)
+    }
+    assert len(sets) > 1
+    assert all(len(s) == 6 for s in sets)
+
+
+def test_layer_granularity_shares_tokens_within_a_layer_only():
+    comp = Compression.make("tova", budget=6, granularity="layer")
+    _, cache = teacher_forced(PARAMS, TOKENS, prompt_len=20, config=CFG, compression=comp)
+    assert bool(jnp.all(cache.pos == cache.pos[:, :, :1]))
+
+
+def test_head_level_hybrid_keeps_every_token_in_the_chosen_heads():
+    comp = Compression.make("h2o", budget=6, granularity="head", full_heads=0.25)
+    _, cache = teacher_forced(PARAMS, TOKENS, prompt_len=20, config=CFG, compression=comp)
+    counts = np.asarray(jnp.sum(cache.pos >= 0, axis=-1))[:, 0]  # [L, K]
+    assert (counts == 39).sum() == 1 and (counts == 6).sum() == CFG.n_layers * CFG.n_kv_heads - 1
+
+
+def test_features_follow_their_definitions():
+    cache = kvcache.init_cache(CFG, batch_size=1, capacity=12, stats=True)
+    _, cache = decoder.prefill(PARAMS, TOKENS[:1, :12], cache, config=CFG)
+    f = np.asarray(stats.features(cache))[0]
+    st = {n: np.asarray(a)[:, 0] for n, a in cache.stats.items()}  # [L, K, C]
+    np.testing.assert_allclose(f[:, 0], st["attn"].mean(axis=(0, 1)), rtol=1e-6)
+    np.testing.assert_allclose(f[:, 1], st["vnorm"].mean(axis=(0, 1)), rtol=1e-6)
+    np.testing.assert_allclose(
+        f[:, 2], st["attn_sq"].mean((0, 1)) - st["attn"].mean((0, 1)) ** 2, atol=1e-7
+    )
+    np.testing.assert_allclose(
+        f[:, 3], st["recent_ent"].sum((0, 1)) / st["recent"].sum((0, 1)), rtol=1e-5
+    )
+    np.testing.assert_allclose(f[:, 4], np.arange(12) / 12)
+    assert abs(f[0, 0] - f[0, 0]) == 0 and f[:, 0].sum() == pytest.approx(1.0, rel=1e-5)
+
+
+def test_decode_loop_with_compression_keeps_carry_shapes():
+    comp = Compression.make("snapkv", ratio=0.5, min_budget=4)
+    cache = kvcache.init_cache(CFG, batch_size=2, capacity=8, stats=True)
+    state = DecodeState(
+        cache=cache,
+        tokens=jnp.zeros((2, 4), jnp.int32),
+        next_token=jnp.zeros((2,), jnp.int32),
+        done=jnp.zeros((2,), bool),
+        step=jnp.zeros((), jnp.int32),
+    )
+    out = jax.eval_shape(
+        lambda s: decode_loop(
+            PARAMS,
+            s,
+            config=CFG,
+            sampling=Sampling(),
+            stop_tokens=(),
+            pad_id=0,
+            key=jax.random.key(0),
+            compression=comp,
+        ),
+        state,
+    )
+    shapes = lambda t: jax.tree.map(lambda x: (x.shape, x.dtype), t)  # noqa: E731
+    assert shapes(out) == shapes(state)
+
+
+def test_invalid_settings_raise_clear_errors():
+    with pytest.raises(ValueError, match="unknown policy 'h3o'.*snapkv"):
+        get_policy("h3o")
+    for bad in (0.0, 1.5, -0.1):
+        with pytest.raises(ValueError, match=r"ratio must be in \(0, 1\]"):
+            Compression.make("h2o", ratio=bad)
+    with pytest.raises(ValueError, match="budget must be >= 1"):
+        Compression.make("h2o", budget=0)
+    with pytest.raises(ValueError, match="exactly one"):
+        Compression.make("h2o")
+    with pytest.raises(ValueError, match="granularity 'diagonal'"):
+        Compression.make("h2o", ratio=0.5, granularity="diagonal")
+    only_shared = Policy("mine", score=lambda *a, **k: None, granularities=("shared",))
+    with pytest.raises(ValueError, match="does not support granularity 'head'"):
+        Compression(only_shared, ratio=0.5, granularity="head")
+    with pytest.raises(ValueError, match="hybrid"):
+        Compression.make("h2o", ratio=0.5, full_heads=0.2)
+    assert "learned:<checkpoint>" in policy_names()

@@ -1,0 +1,322 @@
+"""Task builders on the real shared data and on small files the tests write."""
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jaxkv.evals import data as D
+from jaxkv.evals import metrics as M
+from jaxkv.evals import tasks as T
+
+DATA = D.default_data_dir()
+needs_data = pytest.mark.skipif(not DATA.is_dir(), reason=f"shared data not at {DATA}")
+
+
+def _word_ids():
+    """A whitespace tokenizer returning ids (a fresh vocabulary per call of this factory)."""
+    vocab = {}
+    return lambda text: [vocab.setdefault(w, len(vocab)) for w in text.split()]
+
+
+# ---- data folder ---------------------------------------------------------------------------------
+
+
+def test_default_data_dir_and_env_override(monkeypatch, tmp_path):
+    monkeypatch.delenv(D.DATA_DIR_ENV, raising=False)
+    repo = Path(T.__file__).resolve().parents[2]
+    assert D.default_data_dir() == repo.parent / "shared" / "data"
+    monkeypatch.setenv(D.DATA_DIR_ENV, str(tmp_path))
+    assert D.default_data_dir() == tmp_path
+    with pytest.raises(FileNotFoundError, match=re.escape(str(tmp_path / "gsm8k"))):
+        T.gsm8k_examples(limit=1)
+
+
+def test_missing_files_name_the_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match="exemplars.json"):
+        T.gsm8k_examples(data_dir=tmp_path)
+    with pytest.raises(FileNotFoundError, match=re.escape(str(tmp_path / "bbh" / "bbh"))):
+        T.bbh_examples("date_understanding", data_dir=tmp_path)
+    with pytest.raises(FileNotFoundError, match="nope.txt"):
+        T.text_windows(tmp_path / "nope.txt", window=4, n_windows=1, tokenizer=_word_ids())
+
+
+def test_example_is_frozen():
+    ex = T.Example(id="a", prompt="p", target="t")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ex.prompt = "q"
+
+
+# ---- GSM8K ---------------------------------------------------------------------------------------
+
+
+@needs_data
+def test_gsm8k_prompt_has_the_8_exemplars_and_targets_parse():
+    spec = json.loads((DATA / "gsm8k/lm_eval_harness/gsm8k_cot_8shot_exemplars.json").read_text())
+    records = [json.loads(line) for line in (DATA / "gsm8k/test.jsonl").read_text().splitlines()]
+    examples = T.gsm8k_examples(limit=4)
+    assert len(examples) == 4
+    for ex, record in zip(examples, records, strict=False):
+        for shot in spec["exemplars"]:
+            assert f"Q: {shot['question']}\nA: {shot['target']}\n\n" in ex.prompt
+        assert ex.prompt.count("Q: ") == 9
+        assert ex.prompt.endswith(f"\n\nQ: {record['question']}\nA:")
+        assert ex.target == M.gsm8k_target(record["answer"])
+        assert ex.meta["max_new_tokens"] == 512 and "Q:" in ex.meta["stop"]
+    # the exemplars' own answers extract to the number they state
+    for shot in spec["exemplars"]:
+        stated = re.search(r"The answer is (\d+)\.", shot["target"]).group(1)
+        assert M.gsm8k_extract(" " + shot["target"]) == stated
+
+
+@needs_data
+def test_gsm8k_all_test_targets_are_numbers_and_options():
+    examples = T.gsm8k_examples(n_shot=0)
+    assert len(examples) == 1319
+    assert all(re.fullmatch(r"-?\d+(\.\d+)?", ex.target) for ex in examples)
+    assert examples[0].prompt.startswith("Q: ") and examples[0].prompt.count("Q: ") == 1
+    assert T.gsm8k_examples(limit=0) == []
+    with pytest.raises(ValueError, match="n_shot"):
+        T.gsm8k_examples(n_shot=9, limit=1)
+    with pytest.raises(ValueError, match="split"):
+        T.gsm8k_examples("validation")
+
+
+# ---- BBH -----------------------------------------------------------------------------------------
+
+
+@needs_data
+def test_bbh_prompt_format():
+    examples = T.bbh_examples("date_understanding", limit=3)
+    assert len(examples) == 3
+    for ex in examples:
+        assert "canary" not in ex.prompt and "-----" not in ex.prompt
+        assert ex.prompt.startswith("Infer the date from context.")
+        assert ex.prompt.count("Q: ") == 4  # 3 exemplars + the question
+        assert ex.prompt.endswith("\nA: Let's think step by step.")
+        assert re.fullmatch(r"\([A-F]\)", ex.target)
+
+
+@needs_data
+def test_bbh_unknown_task_lists_valid_ones():
+    with pytest.raises(ValueError, match="unknown BBH task 'date'.*date_understanding"):
+        T.bbh_examples("date")
+    assert len(T.bbh_tasks()) == 27
+
+
+@needs_data
+def test_bbh_exemplar_answers_extract_to_target_values():
+    """For each task, the 3 exemplar answers extract to values of the task's target kind."""
+    for task in T.bbh_tasks():
+        targets = {ex.target.lower() for ex in T.bbh_examples(task)}
+        answers = T.bbh_fewshot_prefix(task).split("\n\nQ: ")[1:]
+        assert len(answers) == 3, task
+        for answer in answers:
+            got = M.bbh_extract(answer.split("\nA: ", 1)[1])
+            assert got is not None, task
+            if len(targets) <= 20:  # closed answer set: the answer is one of the targets
+                assert got.lower() in targets, (task, got)
+
+
+# ---- LongBench -----------------------------------------------------------------------------------
+
+
+def _write_jsonl(path, rows):
+    path.write_text("".join(r if isinstance(r, str) else json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _record(i, **extra):
+    return {
+        "input": f"Who wrote book {i}?",
+        "context": f"Passage {i}: Book {i} was written by Ada {{braces}} Lovelace.",
+        "answers": [f"Ada Lovelace {i}"],
+        "length": 12,
+        "all_classes": None,
+        "_id": f"id{i}",
+        **extra,
+    }
+
+
+@needs_data
+def test_longbench_reads_and_formats(tmp_path):
+    path = _write_jsonl(tmp_path / "hotpotqa_e.jsonl", [_record(0), "\n", _record(1)])
+    examples = T.longbench_examples(path)
+    assert [ex.id for ex in examples] == ["id0", "id1"]
+    ex = examples[0]
+    assert "Passage 0: Book 0 was written by Ada {braces} Lovelace." in ex.prompt
+    assert ex.prompt.endswith("Question: Who wrote book 0?\nAnswer:")
+    assert "{context}" not in ex.prompt and "{input}" not in ex.prompt
+    assert ex.target == ("Ada Lovelace 0",)
+    assert ex.meta["dataset"] == "hotpotqa"
+    assert ex.meta["metric"] == "qa_f1_score"
+    assert ex.meta["max_new_tokens"] == 32
+    assert ex.meta["chat_template"] and not ex.meta["first_line_only"]
+    score = M.longbench_score(" Ada Lovelace 0", ex.target, metric=ex.meta["metric"])
+    assert score == 1.0
+    assert len(T.longbench_examples(path, limit=1)) == 1
+
+
+@needs_data
+def test_longbench_classification_meta(tmp_path):
+    row = _record(0, answers=["Location"], all_classes=["Location", "Human being"])
+    path = _write_jsonl(tmp_path / "data.jsonl", [row])
+    (ex,) = T.longbench_examples(path, dataset="trec")
+    assert ex.meta["all_classes"] == ("Location", "Human being")
+    assert ex.meta["first_line_only"] and not ex.meta["chat_template"]
+    score = M.longbench_score(
+        "Location\nHuman being",
+        ex.target,
+        metric=ex.meta["metric"],
+        all_classes=ex.meta["all_classes"],
+        first_line_only=ex.meta["first_line_only"],
+    )
+    assert score == 1.0
+    missing = _write_jsonl(tmp_path / "trec.jsonl", [_record(0, answers=["Location"])])
+    with pytest.raises(ValueError, match=r"trec\.jsonl:1: missing required field.*all_classes"):
+        T.longbench_examples(missing)
+
+
+@needs_data
+def test_longbench_malformed_line_reports_its_number(tmp_path):
+    path = _write_jsonl(tmp_path / "hotpotqa.jsonl", [_record(0), _record(1), '{"input": oops\n'])
+    with pytest.raises(ValueError, match=r"hotpotqa\.jsonl:3: malformed JSON"):
+        T.longbench_examples(path)
+    # lazily, the good lines come first
+    it = T.iter_longbench_examples(path)
+    assert [next(it).id, next(it).id] == ["id0", "id1"]
+    with pytest.raises(ValueError, match=":3:"):
+        next(it)
+
+
+@needs_data
+def test_longbench_missing_field_and_bad_names(tmp_path):
+    bad = _record(1)
+    del bad["answers"]
+    path = _write_jsonl(tmp_path / "hotpotqa.jsonl", [_record(0), bad])
+    with pytest.raises(ValueError, match=r"hotpotqa\.jsonl:2: missing required field.*answers"):
+        T.longbench_examples(path)
+    with pytest.raises(ValueError, match="non-empty list"):
+        T.longbench_examples(
+            _write_jsonl(tmp_path / "x.jsonl", [_record(0, answers=[])]), dataset="qasper"
+        )
+    with pytest.raises(ValueError, match="unknown LongBench dataset 'nosuch'"):
+        T.longbench_examples(path, dataset="nosuch")
+    with pytest.raises(ValueError, match="jieba"):
+        T.longbench_examples(path, dataset="dureader")
+    with pytest.raises(FileNotFoundError, match="absent.jsonl"):
+        T.longbench_examples(tmp_path / "absent.jsonl", dataset="hotpotqa")
+
+
+@needs_data
+def test_longbench_config_metric_names_are_registered():
+    config = T.load_longbench_config()
+    english = {d: m for d, m in config.metric.items() if not m.endswith("zh_score")}
+    assert len(english) == 17  # the 16 English datasets and LSHT (classification)
+    assert set(english.values()) == set(M.LONGBENCH_METRICS)
+
+
+def test_truncate_middle():
+    assert T.truncate_middle(range(10), 4) == [0, 1, 8, 9]
+    assert T.truncate_middle([1, 2, 3], 8) == [1, 2, 3]
+
+
+# ---- passkey and needle --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n_tokens", [500, 2000])
+def test_passkey_prompts(n_tokens):
+    examples = T.passkey_examples(n_tokens=n_tokens, n=4, seed=3, tokenizer=str.split)
+    assert len({ex.target for ex in examples}) == 4
+    for ex in examples:
+        assert re.fullmatch(r"\d{5}", ex.target)
+        assert ex.prompt.count(ex.target) == 1
+        assert ex.prompt.endswith("The pass key is")
+        assert abs(len(ex.prompt.split()) - n_tokens) <= 0.1 * n_tokens
+        assert ex.meta["n_tokens"] == len(ex.prompt.split())
+        assert 0.0 <= ex.meta["depth"] <= 1.0
+        assert M.retrieval_match(f" {ex.target}. Remember it.", ex.target) == 1.0
+    again = T.passkey_examples(n_tokens=n_tokens, n=4, seed=3, tokenizer=str.split)
+    assert again == examples
+    other = T.passkey_examples(n_tokens=n_tokens, n=4, seed=4, tokenizer=str.split)
+    assert [ex.prompt for ex in other] != [ex.prompt for ex in examples]
+
+
+def test_passkey_key_depth_and_count_callback():
+    filler = T.GRASS_FILLER * 400
+    count = lambda text: len(text) // 4  # a callback returning the count itself
+    examples = T.passkey_examples(n_tokens=1000, n=6, seed=0, tokenizer=count, filler=filler)
+    for ex in examples:
+        assert abs(count(ex.prompt) - 1000) <= 100
+        position = ex.prompt.index(ex.target) / len(ex.prompt)
+        assert abs(position - ex.meta["depth"]) < 0.1
+    with pytest.raises(ValueError, match="no room"):
+        T.passkey_examples(n_tokens=20, n=1, seed=0, tokenizer=str.split, filler=filler)
+
+
+@needs_data
+def test_needle_prompts():
+    examples = T.needle_examples(n_tokens=1000, n=3, seed=0, tokenizer=str.split, n_distractors=2)
+    for ex in examples:
+        word = ex.meta["word"]
+        assert re.fullmatch(r"\d{7}", ex.target)
+        assert ex.prompt.count(ex.target) == 1
+        assert f"magic numbers for {word} is: {ex.target}." in ex.prompt
+        assert ex.prompt.count("special magic numbers for") == 3
+        assert ex.prompt.endswith(f"number for {word} mentioned in the text above is")
+        assert abs(len(ex.prompt.split()) - 1000) <= 100
+
+
+# ---- held-out text windows -----------------------------------------------------------------------
+
+
+def test_split_heldout():
+    text = "".join(f"line {i}\n" for i in range(100))
+    train, heldout = T.split_heldout(text)
+    assert train + heldout == text
+    assert heldout.startswith("line ") and train.endswith("\n")
+    assert abs(len(heldout) - 0.1 * len(text)) <= len("line 99\n")
+    assert T.split_heldout(text, fraction=1.0) == ("", text)
+    with pytest.raises(ValueError, match="fraction"):
+        T.split_heldout(text, fraction=0.0)
+
+
+def test_text_windows_exact_and_consecutive(tmp_path):
+    path = tmp_path / "text.txt"
+    path.write_text("".join(f"w{i}\n" for i in range(1000)))
+    tokenizer = _word_ids()
+    windows = T.text_windows(path, window=16, n_windows=3, offset=5, tokenizer=tokenizer)
+    assert windows.shape == (3, 16) and windows.dtype == np.int32
+    _, heldout = T.split_heldout(path.read_text())
+    ids = tokenizer(heldout)
+    np.testing.assert_array_equal(windows.ravel(), ids[5 : 5 + 48])
+    # 4,890 characters; 90 % = 4,401 falls inside line "w902" (chars 4,400-4,404), so the
+    # held-out part starts at the next line
+    assert heldout.split()[0] == "w903" and windows[0, 0] == ids[5]
+
+
+def test_text_windows_errors(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    blank = tmp_path / "blank.txt"
+    blank.write_text("  \n\n ")
+    short = tmp_path / "short.txt"
+    short.write_text("one two three four five six seven eight nine ten\n" * 10)
+    kw = {"window": 8, "n_windows": 2, "tokenizer": _word_ids()}
+    with pytest.raises(ValueError, match="empty"):
+        T.text_windows(empty, **kw)
+    with pytest.raises(ValueError, match="empty"):
+        T.text_windows(blank, **kw)
+    with pytest.raises(ValueError, match="has 10 tokens.*need 16"):
+        T.text_windows(short, **kw)
+    with pytest.raises(ValueError, match="window > 0"):
+        T.text_windows(short, window=0, n_windows=1, tokenizer=_word_ids())
+
+
+@needs_data
+def test_text_windows_default_is_tinyshakespeare_tail():
+    windows = T.text_windows(window=128, n_windows=4, tokenizer=_word_ids())
+    assert windows.shape == (4, 128)
