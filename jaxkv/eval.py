@@ -1,7 +1,11 @@
 """``python -m jaxkv.eval``: evaluation and generation from the command line.
 
+With no arguments: a small fidelity comparison of every policy on the embedded model.
+
 Subcommands:
-    generate   generate text with the embedded (or any) model
+    generate   generate text with the embedded (or any) model, optionally compressed
+    fidelity, retrieval, gsm8k, bbh, longbench, agreement, positions, latency
+               the evaluation suite (``python -m jaxkv.eval fidelity --help``)
     kvlearn    the KVLearn serving-pool simulator (``python -m jaxkv.eval kvlearn --help``)
 """
 
@@ -88,8 +92,22 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     _add_compression_args(gen)
     gen.set_defaults(func=_generate_cmd)
+    for name in EVAL_SUITE:
+        sub.add_parser(name, help=f"evaluation: {name} (see: {name} --help)", add_help=False)
     sub.add_parser("kvlearn", help="KVLearn pool simulator (see: kvlearn --help)", add_help=False)
     return parser
+
+
+EVAL_SUITE = (
+    "fidelity",
+    "retrieval",
+    "gsm8k",
+    "bbh",
+    "longbench",
+    "agreement",
+    "positions",
+    "latency",
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,6 +116,10 @@ def main(argv: list[str] | None = None) -> int:
         from jaxkv.kvlearn.cli import eval_main
 
         return eval_main(argv[1:])
+    if not argv or argv[0] in EVAL_SUITE:
+        from jaxkv.evals.cli import main as suite_main
+
+        return suite_main(argv)
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -47,7 +47,10 @@ def contributions(p_BKGTS: jax.Array, w_BT3: jax.Array) -> dict:
     ent_BKGT = -jnp.sum(jnp.where(p > 0, p * jnp.log(jnp.where(p > 0, p, 1.0)), 0.0), axis=-1)
     w = jnp.broadcast_to(w_BT3[:, None, None], (*p.shape[:4], 3))
     w_BKGT4 = jnp.concatenate([w, w[..., _RECENT:] * ent_BKGT[..., None]], axis=-1)
-    m_BKGS4 = jnp.einsum("bkgts,bkgtj->bkgsj", p, w_BKGT4)
+    if p.shape[3] == 1:  # decode: a broadcast product, much cheaper on CPU than a tiny dot
+        m_BKGS4 = p[:, :, :, 0, :, None] * w_BKGT4[:, :, :, 0, None, :]
+    else:
+        m_BKGS4 = jnp.einsum("bkgts,bkgtj->bkgsj", p, w_BKGT4)
     return {
         "attn": jnp.mean(m_BKGS4[..., _FINAL], axis=2),
         "attn_sq": jnp.mean(m_BKGS4[..., _FINAL] ** 2, axis=2),

@@ -1,18 +1,25 @@
 """``python -m jaxkv.train``: training entry points.
 
 Subcommands:
-    kvlearn    pre-train KVLearn's reuse predictor offline on a trace
+    distillcache  train the DistillCache eviction policy (REINFORCE, teacher/student caches)
+    kvlearn       pre-train KVLearn's reuse predictor offline on a trace
 """
 
 from __future__ import annotations
 
 import sys
 
-USAGE = "usage: python -m jaxkv.train {kvlearn} [options]  (add --help after a subcommand)"
+USAGE = (
+    "usage: python -m jaxkv.train {distillcache,kvlearn} [options]  (add --help after a subcommand)"
+)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "distillcache":
+        from jaxkv.rl.driver import main as distillcache_main
+
+        return distillcache_main(argv[1:])
     if argv and argv[0] == "kvlearn":
         from jaxkv.kvlearn.cli import train_main
 

@@ -1,0 +1,1 @@
+"""Reinforcement learning for learned KV-cache eviction (DistillCache training)."""

@@ -1,0 +1,89 @@
+"""Training configuration: one frozen dataclass, parsed from YAML in exactly one place."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from jaxkv.rl.plackett_luce import ESTIMATORS
+
+STREAMS = ("data", "teacher")
+DATASETS = ("mixed", "shakespeare", "gsm8k")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """DistillCache training settings (paper App. D defaults where they apply)."""
+
+    model: str = "smollm2-135m"
+    ratio: float = 0.25
+    min_budget: int = 32
+    prompt_len: int = 96
+    decode_steps: int = 32
+    rollouts: int = 4
+    gamma: float = 0.99
+    beta: float = 0.01
+    exact_entropy: bool = False
+    estimator: str = "exact"
+    learning_rate: float = 3e-4
+    warmup_steps: int = 500
+    steps: int = 10_000
+    clip_norm: float = 1.0
+    weight_decay: float = 1e-4
+    ema_decay: float = 0.9
+    hidden: int = 128
+    seed: int = 0
+    dataset: str = "mixed"
+    stream: str = "data"
+    checkpoint_every: int = 50
+    data_parallel: int = 1
+
+    def __post_init__(self):
+        checks = {
+            "ratio in (0, 1]": 0 < self.ratio <= 1,
+            "rollouts >= 2 (RLOO) or 1 (EMA baseline)": self.rollouts >= 1,
+            "prompt_len >= 1": self.prompt_len >= 1,
+            "decode_steps >= 1": self.decode_steps >= 1,
+            "steps >= 1": self.steps >= 1,
+            "0 <= warmup_steps < steps": 0 <= self.warmup_steps < self.steps,
+            "0 < gamma <= 1": 0 < self.gamma <= 1,
+            f"estimator in {ESTIMATORS}": self.estimator in ESTIMATORS,
+            f"stream in {STREAMS}": self.stream in STREAMS,
+            f"dataset in {DATASETS}": self.dataset in DATASETS,
+            "checkpoint_every >= 1": self.checkpoint_every >= 1,
+            "rollouts divisible by data_parallel": self.rollouts % self.data_parallel == 0,
+        }
+        bad = [name for name, ok in checks.items() if not ok]
+        if bad:
+            raise ValueError(f"invalid training config: {'; '.join(bad)}")
+
+    @property
+    def stream_len(self) -> int:
+        return self.prompt_len + self.decode_steps
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, overrides: list[str] = ()) -> TrainConfig:
+        """Reads ``path`` and applies ``key=value`` overrides (values parsed as YAML)."""
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"no config file {path}")
+        raw = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path}: expected a mapping of settings")
+        for item in overrides:
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise ValueError(f"override {item!r} is not key=value")
+            raw[key.strip()] = yaml.safe_load(value)
+        return cls.from_dict(raw, source=str(path))
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], *, source: str = "config") -> TrainConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"{source}: unknown settings {unknown}; valid: {sorted(known)}")
+        return cls(**raw)

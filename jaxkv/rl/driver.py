@@ -1,0 +1,196 @@
+"""``python -m jaxkv.train distillcache``: the training loop around ``train_step``.
+
+Resumable: the state is checkpointed every ``checkpoint_every`` steps and on Ctrl-C; running
+the same command again restores the latest checkpoint, drops metric lines written after it,
+and continues. Data and keys derive from (seed, step), so a resumed run equals an
+uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import yaml
+from jax.sharding import NamedSharding, PartitionSpec
+from tqdm import tqdm
+
+from jaxkv import sharding
+from jaxkv.checkpoint import TrainCheckpoints, save_policy
+from jaxkv.config import ModelConfig
+from jaxkv.model import decoder
+from jaxkv.model.params import init_params
+from jaxkv.policies.learned import count, init_mlp
+from jaxkv.rl.config import TrainConfig
+from jaxkv.rl.data import build_corpora, stream_for_step
+from jaxkv.rl.step import TrainState, init_state, train_step
+
+METRICS = "metrics.jsonl"
+
+
+def load_lm(name: str):
+    """(config, params, tokenizer); ``tiny`` is a random toy model with byte tokens."""
+    if name == "tiny":
+        cfg = ModelConfig.tiny()
+        return cfg, init_params(cfg, key=jax.random.key(0), scale=0.2), None
+    from jaxkv.model.loading import load_model
+
+    m = load_model(name)
+    return m.config, m.params, m.tokenizer
+
+
+def _keys(cfg: TrainConfig, step: int, mesh):
+    keys = jax.random.split(jax.random.fold_in(jax.random.key(cfg.seed), step), cfg.rollouts)
+    if mesh is None:
+        return keys
+    return jax.device_put(keys, NamedSharding(mesh, PartitionSpec("data")))
+
+
+def _teacher_stream(lm_params, window, cfg: TrainConfig, config):
+    """Prompt from the data, continuation from the full-cache model's greedy decoding."""
+    from jaxkv.generate import generate_tokens
+
+    prompt = window[: cfg.prompt_len].tolist()
+    (cont,) = generate_tokens(lm_params, [prompt], config=config, max_new_tokens=cfg.decode_steps)
+    cont = (cont + [0] * cfg.decode_steps)[: cfg.decode_steps]
+    return np.asarray(prompt + cont, np.int32)
+
+
+def _check_workdir(workdir: Path, cfg: TrainConfig) -> None:
+    saved = workdir / "config.yaml"
+    current = yaml.safe_dump(cfg.__dict__, sort_keys=True)
+    if saved.exists() and saved.read_text() != current:
+        raise ValueError(
+            f"{workdir} holds a run with a different config ({saved}); resume with the same "
+            "settings or choose a new --workdir"
+        )
+    workdir.mkdir(parents=True, exist_ok=True)
+    saved.write_text(current)
+
+
+def _truncate_metrics(path: Path, last_step: int) -> None:
+    """Keeps the metric lines of steps < last_step (a resume rewrites the rest)."""
+    if not path.exists():
+        return
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+    kept = [ln for ln in lines if json.loads(ln)["step"] < last_step]
+    path.write_text("".join(ln + "\n" for ln in kept))
+
+
+def run(cfg: TrainConfig, workdir: Path, *, stop_after: int | None = None) -> TrainState:
+    """Trains (or resumes) in ``workdir``; returns the final state."""
+    _check_workdir(workdir, cfg)
+    config, params, tokenizer = load_lm(cfg.model)
+    lm_params = decoder.unstack_layers(params)
+    corpora = build_corpora(tokenizer, dataset=cfg.dataset)
+    mesh = sharding.make_mesh(data=cfg.data_parallel) if cfg.data_parallel > 1 else None
+    ckpts = TrainCheckpoints(workdir)
+    state = init_state(cfg, init_mlp(key=jax.random.key(cfg.seed), hidden=cfg.hidden))
+    restored = ckpts.restore(jax.eval_shape(lambda: state))
+    if restored is not None:
+        state = restored
+    start = int(state.step)
+    _truncate_metrics(workdir / METRICS, start)
+    end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
+    bar = tqdm(
+        range(start, end), initial=start, total=cfg.steps, desc="distillcache", mininterval=2.0
+    )
+    try:
+        with (workdir / METRICS).open("a") as log:
+            for step in bar:
+                window = stream_for_step(corpora, step=step, seed=cfg.seed, length=cfg.stream_len)
+                if cfg.stream == "teacher":
+                    window = _teacher_stream(lm_params, window, cfg, config)
+                t0 = time.perf_counter()
+                state, metrics = train_step(
+                    lm_params, state, window, _keys(cfg, step, mesh), cfg=cfg, config=config
+                )
+                row = {
+                    "step": step,
+                    **{k: float(v) for k, v in metrics.items()},
+                    "seconds": time.perf_counter() - t0,
+                }
+                log.write(json.dumps(row) + "\n")
+                log.flush()
+                bar.set_postfix(
+                    reward=f"{row['reward']:.3f}",
+                    kl=f"{row['kl']:.3f}",
+                    entropy=f"{row['entropy']:.2f}",
+                )
+                if (step + 1) % cfg.checkpoint_every == 0:
+                    ckpts.save(step + 1, state)
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: saving step {int(state.step)}", file=sys.stderr)
+        ckpts.save(int(state.step), state)
+        ckpts.close()
+        raise
+    ckpts.save(int(state.step), state)
+    ckpts.close()
+    if int(state.step) == cfg.steps:
+        _finish(workdir, cfg, state)
+    return state
+
+
+def _finish(workdir: Path, cfg: TrainConfig, state: TrainState) -> None:
+    meta = {
+        "train_config": cfg.__dict__,
+        "steps": int(state.step),
+        "command": " ".join(["python -m jaxkv.train"] + sys.argv[1:]),
+    }
+    path = save_policy(workdir / "policy", state.params, meta)
+    plot_metrics(workdir / METRICS, workdir / "training.png")
+    print(f"policy ({count(state.params)} parameters) saved to {path}")
+
+
+def plot_metrics(metrics_path: Path, out: Path) -> None:
+    """Reward, KL and entropy curves (raw and smoothed) as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(ln) for ln in metrics_path.read_text().splitlines() if ln.strip()]
+    steps = np.array([r["step"] for r in rows])
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.5))
+    for ax, key in zip(axes, ("kl", "entropy", "grad_norm"), strict=True):
+        y = np.array([r[key] for r in rows])
+        ax.plot(steps, y, alpha=0.3, label="per step")
+        k = max(1, len(y) // 20)
+        ax.plot(steps[k - 1 :], np.convolve(y, np.ones(k) / k, mode="valid"), label=f"mean of {k}")
+        ax.set_title(key if key != "kl" else "KL(P_full || P_pruned) per token (= -reward)")
+        ax.set_xlabel("step")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m jaxkv.train distillcache",
+        description="Train the DistillCache eviction policy.",
+    )
+    ap.add_argument("--config", required=True, help="YAML file (configs/distillcache_*.yaml)")
+    ap.add_argument("--workdir", required=True, help="checkpoints, metrics and the policy")
+    ap.add_argument(
+        "--stop-after",
+        type=int,
+        default=None,
+        help="stop after this many total steps (resume later with the same command)",
+    )
+    ap.add_argument("overrides", nargs="*", help="key=value settings overriding the config")
+    args = ap.parse_args(argv)
+    try:
+        cfg = TrainConfig.from_yaml(args.config, args.overrides)
+        run(cfg, Path(args.workdir), stop_after=args.stop_after)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0

@@ -1,0 +1,242 @@
+"""DistillCache training: steps, a toy task, checkpoints, exact resume, data parallelism."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxkv.checkpoint import load_policy, save_policy
+from jaxkv.config import ModelConfig
+from jaxkv.eviction import Compression
+from jaxkv.generate import generate_tokens
+from jaxkv.model import decoder
+from jaxkv.model.params import init_params
+from jaxkv.policies.base import get_policy
+from jaxkv.policies.learned import count, init_mlp, learned_policy, scores_from_features
+from jaxkv.rl.config import TrainConfig
+from jaxkv.rl.driver import run
+from jaxkv.rl.objectives import (
+    Decisions,
+    decide,
+    discounted_returns,
+    reinforce_loss,
+    rloo_advantages,
+)
+from jaxkv.rl.step import init_state, train_step
+
+REPO = Path(__file__).resolve().parents[1]
+LM_CFG = ModelConfig.tiny()
+LM = decoder.unstack_layers(init_params(LM_CFG, key=jax.random.key(0), scale=0.2))
+TINY = dict(
+    model="tiny",
+    prompt_len=16,
+    decode_steps=8,
+    min_budget=4,
+    warmup_steps=0,
+    steps=4,
+    checkpoint_every=2,
+)
+
+
+def test_policy_has_the_true_parameter_count():
+    assert (
+        count(init_mlp(key=jax.random.key(0))) == 17_921
+    )  # 5*128+128 + 2*128 + 128*128+128 + 2*128 + 129
+
+
+def test_one_training_step_changes_params_and_keeps_state_shapes():
+    cfg = TrainConfig(**TINY)
+    state = init_state(cfg, init_mlp(key=jax.random.key(1)))
+    before = jax.tree.map(lambda x: (x.shape, x.dtype), state)
+    p0 = jax.tree.map(np.asarray, state.params)
+    tokens = jax.random.randint(jax.random.key(2), (cfg.stream_len,), 0, 256)
+    state, m = train_step(
+        LM, state, tokens, jax.random.split(jax.random.key(3), 4), cfg=cfg, config=LM_CFG
+    )
+    assert all(np.isfinite(float(v)) for v in m.values())
+    assert m["kl"] >= 0 and m["entropy"] > 0
+    assert jax.tree.map(lambda x: (x.shape, x.dtype), state) == before
+    changed = jax.tree.map(lambda a, b: not np.array_equal(a, np.asarray(b)), p0, state.params)
+    assert all(jax.tree.leaves(changed))
+    assert int(state.step) == 1
+
+
+def test_returns_and_rloo_baseline():
+    r = jnp.array([[1.0, 0.0, 2.0], [0.0, 1.0, 0.0]])
+    g = discounted_returns(r, 0.5)
+    np.testing.assert_allclose(g, [[1.5, 1.0, 2.0], [0.5, 1.0, 0.0]])
+    np.testing.assert_allclose(rloo_advantages(g), [[1.0, 0.0, 2.0], [-1.0, 0.0, -2.0]])
+
+
+@pytest.mark.parametrize("estimator", ["exact", "ordered_pl"])
+def test_policy_learns_to_keep_the_sink_and_the_needle(estimator):
+    """Toy task: 16 tokens with random features; the sink (token 0) and a needle (marked
+    by a high value norm) must be kept within a budget of 4. Reward = both kept."""
+    L, B, K = 16, 4, 16
+    params = init_mlp(key=jax.random.key(0))
+    opt = optax.adam(1e-2)
+    opt_state = opt.init(params)
+
+    def episode(key):
+        f = jax.random.normal(key, (L, 5))
+        needle = jax.random.randint(jax.random.fold_in(key, 1), (), 1, L)
+        f = f.at[:, 1].set(jnp.where(jnp.arange(L) == needle, 3.0, f[:, 1]))
+        f = f.at[:, 4].set(jnp.arange(L) / L)  # position: the sink is at 0
+        f = f.at[:, 0].set(jnp.exp(f[:, 0])).at[:, 2].set(jnp.exp(f[:, 2]))  # masses > 0
+        return f, needle
+
+    @jax.jit
+    def step(params, opt_state, key):
+        keys = jax.random.split(key, K)
+        f, needle = jax.vmap(episode)(keys)
+        valid = jnp.ones((K, L), bool)
+        s = jax.vmap(lambda x, v: scores_from_features(params, x, v))(f, valid)
+        sel, order = jax.vmap(
+            lambda sc, k: decide(sc, jnp.ones(L, bool), B, key=k, estimator=estimator, max_budget=B)
+        )(s, keys)
+        reward = (sel[:, 0] & sel[jnp.arange(K), needle]).astype(jnp.float32)
+        d = Decisions(
+            f[:, None],
+            valid[:, None],
+            sel[:, None],
+            order[:, None],
+            jnp.full((K, 1), B),
+            jnp.ones((K, 1), bool),
+            reward[:, None],
+        )
+        adv = rloo_advantages(reward[:, None])
+        grads = jax.grad(
+            lambda p: reinforce_loss(
+                p, d, adv, estimator=estimator, beta=0.0, exact_entropy=False, max_budget=B
+            )[0]
+        )(params)
+        updates, opt_state = opt.update(grads, opt_state)
+        return optax.apply_updates(params, updates), opt_state, jnp.mean(reward)
+
+    for i in range(300):
+        params, opt_state, _ = step(params, opt_state, jax.random.key(i))
+    f, needle = jax.vmap(episode)(jax.random.split(jax.random.key(10_000), 200))
+    s = jax.vmap(lambda x: scores_from_features(params, x, jnp.ones(L, bool)))(f)
+    top = jax.lax.top_k(s, B)[1]
+    hit = jnp.any(top == 0, axis=1) & jnp.any(top == needle[:, None], axis=1)
+    assert float(jnp.mean(hit)) >= 0.9  # random keeps both with probability 1/20
+
+
+def test_policy_checkpoint_round_trip_and_errors(tmp_path):
+    params = init_mlp(key=jax.random.key(4))
+    save_policy(tmp_path / "p", params, {"note": "test"})
+    back, meta = load_policy(tmp_path / "p")
+    assert meta["n_params"] == 17_921 and meta["note"] == "test"
+    jax.tree.map(np.testing.assert_array_equal, params, back)
+    with pytest.raises(FileNotFoundError, match="no policy checkpoint"):
+        load_policy(tmp_path / "missing")
+    (tmp_path / "p" / "policy.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not a valid policy"):
+        load_policy(tmp_path / "p")
+    save_policy(tmp_path / "q", params, {})
+    for f in (tmp_path / "q" / "params").rglob("*"):
+        if f.is_file() and f.stat().st_size > 100:
+            f.write_bytes(b"garbage")
+    with pytest.raises(ValueError, match="cannot read policy parameters"):
+        load_policy(tmp_path / "q")
+
+
+def test_learned_policy_plugs_into_generation(tmp_path):
+    save_policy(tmp_path / "p", init_mlp(key=jax.random.key(5)), {})
+    comp = Compression.make(f"learned:{tmp_path / 'p'}", ratio=0.25, min_budget=4)
+    out = generate_tokens(
+        LM, [list(range(1, 40)), [3, 4, 5]], config=LM_CFG, max_new_tokens=5, compression=comp
+    )
+    assert [len(o) for o in out] == [5, 5]
+    with pytest.raises(ValueError, match="does not support granularity 'head'"):
+        Compression(get_policy(f"learned:{tmp_path / 'p'}"), ratio=0.5, granularity="head")
+    full = generate_tokens(LM, [list(range(1, 40))], config=LM_CFG, max_new_tokens=5)
+    same = generate_tokens(
+        LM,
+        [list(range(1, 40))],
+        config=LM_CFG,
+        max_new_tokens=5,
+        compression=Compression(learned_policy(init_mlp(key=jax.random.key(6))), ratio=1.0),
+    )
+    assert same == full
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path):
+    cfg = TrainConfig(**TINY)
+    whole = run(cfg, tmp_path / "a")
+    run(cfg, tmp_path / "b", stop_after=2)  # "killed" after the checkpoint at step 2
+    resumed = run(cfg, tmp_path / "b")
+    jax.tree.map(np.testing.assert_array_equal, whole.params, resumed.params)
+    rows = lambda d: [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    strip = lambda rs: [{k: v for k, v in r.items() if k != "seconds"} for r in rs]  # noqa: E731
+    assert strip(rows(tmp_path / "a")) == strip(rows(tmp_path / "b"))
+    assert (tmp_path / "b" / "policy" / "policy.json").exists()
+    assert (tmp_path / "b" / "training.png").stat().st_size > 0
+    with pytest.raises(ValueError, match="different config"):
+        run(TrainConfig(**{**TINY, "seed": 1}), tmp_path / "b")
+
+
+def test_shipped_configs_parse_and_bad_settings_fail():
+    for path in (REPO / "configs").glob("distillcache_*.yaml"):
+        TrainConfig.from_yaml(path)
+    with pytest.raises(ValueError, match="unknown settings"):
+        TrainConfig.from_dict({"ratoi": 0.5})
+    with pytest.raises(ValueError, match="estimator"):
+        TrainConfig(estimator="magic")
+    with pytest.raises(ValueError, match="not key=value"):
+        TrainConfig.from_yaml(REPO / "configs" / "distillcache_cpu.yaml", ["ratio"])
+    cfg = TrainConfig.from_yaml(REPO / "configs" / "distillcache_cpu.yaml", ["ratio=0.5"])
+    assert cfg.ratio == 0.5
+
+
+DP_SCRIPT = textwrap.dedent(
+    """
+    import jax, numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec
+    from jaxkv import sharding
+    from jaxkv.config import ModelConfig
+    from jaxkv.model import decoder
+    from jaxkv.model.params import init_params
+    from jaxkv.policies.learned import init_mlp
+    from jaxkv.rl.config import TrainConfig
+    from jaxkv.rl.step import init_state, train_step
+
+    cfg_m = ModelConfig.tiny()
+    lm = decoder.unstack_layers(init_params(cfg_m, key=jax.random.key(0), scale=0.2))
+    cfg = TrainConfig(model="tiny", prompt_len=16, decode_steps=8, min_budget=4, rollouts=8,
+                      warmup_steps=1, steps=4, data_parallel=8)
+    tokens = jax.random.randint(jax.random.key(2), (cfg.stream_len,), 0, 256)
+    keys = jax.random.split(jax.random.key(3), 8)
+    single, m1 = train_step(lm, init_state(cfg, init_mlp(key=jax.random.key(1))), tokens, keys,
+                            cfg=cfg, config=cfg_m)
+    mesh = sharding.make_mesh(data=8)
+    skeys = jax.device_put(keys, NamedSharding(mesh, PartitionSpec("data")))
+    multi, m8 = train_step(lm, init_state(cfg, init_mlp(key=jax.random.key(1))), tokens, skeys,
+                           cfg=cfg, config=cfg_m)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+                 single.params, multi.params)
+    np.testing.assert_allclose(float(m1["kl"]), float(m8["kl"]), rtol=1e-5)
+    print("DP_OK", len(skeys.sharding.device_set))
+    """
+)
+
+
+@pytest.mark.slow
+def test_data_parallel_rollouts_over_8_devices_equal_single_device():
+    env = dict(
+        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", DP_SCRIPT], env=env, capture_output=True, text=True, timeout=900
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "DP_OK 8" in res.stdout
