@@ -148,6 +148,19 @@ def _scatter(x, slots_LBKT, upd):
     )
 
 
+def _write(cache: KVCache, put, k_LBKTH, v_LBKTH, pos_BT, new_stats) -> KVCache:
+    """Writes new tokens with ``put(array, update)`` into every per-slot array."""
+    L, B, K, T = k_LBKTH.shape[:4]
+    pos_LBKT = jnp.broadcast_to(pos_BT[None, :, None, :], (L, B, K, T))
+    return cache.replace(
+        k=put(cache.k, k_LBKTH),
+        v=put(cache.v, v_LBKTH),
+        pos=put(cache.pos, pos_LBKT),
+        stats={n: put(a, new_stats[n]) for n, a in cache.stats.items()},
+        length=cache.length + jnp.sum(pos_BT >= 0, axis=1).astype(jnp.int32),
+    )
+
+
 def append(
     cache: KVCache,
     k_LBKTH: jax.Array,
@@ -161,18 +174,27 @@ def append(
     slots' statistics ([L, B, K, T] each; required when the cache carries statistics).
     """
     check_room(cache, k_LBKTH.shape[3])
-    L, B, K, T = k_LBKTH.shape[:4]
-    slots, ok = first_free(cache.pos, T)
-    pos_LBKT = jnp.broadcast_to(pos_BT[None, :, None, :], (L, B, K, T))
-    stats = {n: _scatter(a, slots, new_stats[n]) for n, a in cache.stats.items()}
-    return cache.replace(
-        k=_scatter(cache.k, slots, k_LBKTH),
-        v=_scatter(cache.v, slots, v_LBKTH),
-        pos=_scatter(cache.pos, slots, pos_LBKT),
-        stats=stats,
-        length=cache.length + jnp.sum(pos_BT >= 0, axis=1).astype(jnp.int32),
-        overflow=cache.overflow | ~jnp.all(ok),
-    )
+    slots, ok = first_free(cache.pos, k_LBKTH.shape[3])
+    put = lambda x, upd: _scatter(x, slots, upd)  # noqa: E731
+    cache = _write(cache, put, k_LBKTH, v_LBKTH, pos_BT, new_stats)
+    return cache.replace(overflow=cache.overflow | ~jnp.all(ok))
+
+
+def fill_empty(
+    cache: KVCache,
+    k_LBKTH: jax.Array,
+    v_LBKTH: jax.Array,
+    pos_BT: jax.Array,
+    new_stats: dict | None = None,
+) -> KVCache:
+    """``append`` into an empty cache: the first free slots are 0..T-1, so the tokens are
+    written as one contiguous block (no slot search, no scatter)."""
+    check_room(cache, k_LBKTH.shape[3])
+
+    def put(x, upd):
+        return jax.lax.dynamic_update_slice(x, upd.astype(x.dtype), (0,) * x.ndim)
+
+    return _write(cache, put, k_LBKTH, v_LBKTH, pos_BT, new_stats)
 
 
 def free_slots(cache: KVCache, drop_LBKC: jax.Array) -> KVCache:

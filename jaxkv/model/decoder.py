@@ -153,7 +153,7 @@ def prefill(
     )
     last_B = jnp.max(pos_BT, axis=1)
     x_BD = jnp.take_along_axis(x, last_B[:, None, None], axis=1)[:, 0]
-    cache = kvcache.append(cache, k_LBKTH, v_LBKTH, pos_BT, new_stats)
+    cache = kvcache.fill_empty(cache, k_LBKTH, v_LBKTH, pos_BT, new_stats)
     return _guard(_logits(params, x_BD, config), cache), cache
 
 
