@@ -1,0 +1,323 @@
+"""The KVLearn control plane: one state pytree and pure ``lookup`` / ``admit`` / ``feed_labels`` /
+``tick`` functions (jit them at the call site with ``cfg`` static; ``facade.Coordinator`` does).
+
+Flow per request (README "Integrating into a serving stack"): ``lookup`` on every request
+(records it in the per-key history, resolves its label window, refreshes a hit block's score);
+on a miss, after prefill, ``admit`` decides keep vs discard and picks victims; ``tick``
+periodically expires label windows, re-scores resident blocks, steps the ATC and trains the PRP.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxkv.kvlearn import atc as atc_lib
+from jaxkv.kvlearn import cars as cars_lib
+from jaxkv.kvlearn import features as F
+from jaxkv.kvlearn import pool as pool_lib
+from jaxkv.kvlearn import prp as prp_lib
+from jaxkv.kvlearn.cost import GIB, CostModel
+
+
+@dataclasses.dataclass(frozen=True)
+class KVLearnConfig:
+    """Static configuration (hashable: pass it as a static jit argument).
+
+    Attributes:
+        cost: the serving system's cost model.
+        max_blocks: block-table slots C.   max_keys: key ids K with per-key history.
+        horizon_s: label horizon H.        tau_fast_s, tau_slow_s: feature decay times.
+        storage_dt_s: Δt of U; None = one mean inter-arrival time (see ``cars.py``).
+        ema_decay: per-request decay of the R̄ and λ estimates.
+        swap_margin: an admission that evicts must add (1 + margin) × the victims' value.
+        max_victims: most blocks one admission may evict (bounds the victim search).
+    """
+
+    cost: CostModel = dataclasses.field(default_factory=CostModel.llama3_8b_a100)
+    prp: prp_lib.PRPConfig = dataclasses.field(default_factory=prp_lib.PRPConfig)
+    atc: atc_lib.ATCConfig = dataclasses.field(default_factory=atc_lib.ATCConfig)
+    max_blocks: int = 4096
+    max_keys: int = 1 << 16
+    horizon_s: float = 5.0
+    tau_fast_s: float = 30.0
+    tau_slow_s: float = 600.0
+    storage_dt_s: float | None = None
+    ema_decay: float = 0.99
+    swap_margin: float = 0.25
+    max_victims: int = 32
+
+    def __post_init__(self):
+        if self.max_blocks <= 0 or self.max_keys <= 0:
+            raise ValueError("KVLearnConfig: max_blocks and max_keys must be positive")
+        if min(self.horizon_s, self.tau_fast_s, self.tau_slow_s) <= 0:
+            raise ValueError("KVLearnConfig: horizon_s and tau_*_s must be positive")
+        if self.storage_dt_s is not None and self.storage_dt_s < 0:
+            raise ValueError("KVLearnConfig.storage_dt_s must be ≥ 0 or None")
+        if not 0 <= self.ema_decay < 1:
+            raise ValueError("KVLearnConfig.ema_decay must be in [0, 1)")
+
+    def replace(self, **changes) -> KVLearnConfig:
+        return dataclasses.replace(self, **changes)
+
+
+@struct.dataclass
+class Request:
+    """One request ([] arrays): key id, prefix tokens, modality (0/1/2), arrival time (s)."""
+
+    key: jax.Array
+    tokens: jax.Array
+    modality: jax.Array
+    time: jax.Array
+
+
+@struct.dataclass
+class Counters:
+    """Running totals ([] int32, transfer in float32 GiB with symmetric accounting)."""
+
+    requests: jax.Array
+    hits: jax.Array
+    admits: jax.Array
+    evictions: jax.Array
+    discards: jax.Array
+    transfer_gib: jax.Array
+
+
+@struct.dataclass
+class KVLearnState:
+    """Everything that changes per request: pool, history, PRP, ATC, estimates, counters, key."""
+
+    pool: pool_lib.Pool
+    hist: F.History
+    prp: prp_lib.PRPState
+    atc: atc_lib.ATCState
+    r_bar_ms: jax.Array
+    arrival_rate: jax.Array
+    last_t: jax.Array
+    counters: Counters
+    rng: jax.Array
+
+
+@struct.dataclass
+class AdmitResult:
+    """Outcome of ``admit`` ([] arrays)."""
+
+    admitted: jax.Array
+    n_evicted: jax.Array
+    evicted_keys: jax.Array  # [V] key ids of the victims in eviction order, -1 padded
+    p_hat: jax.Array
+    cars_ms: jax.Array
+    density: jax.Array
+    theta: jax.Array
+
+
+def init(cfg: KVLearnConfig, *, capacity_bytes, key, prp_state=None) -> KVLearnState:
+    """Empty pool of ``capacity_bytes``; a fresh PRP unless ``prp_state`` (pre-trained) is given."""
+    cap_kib = pool_lib.bytes_to_kib(jnp.asarray(capacity_bytes, jnp.float32)).astype(jnp.int32)
+    k_prp, k_run = jax.random.split(key)
+    zi = lambda: jnp.zeros((), jnp.int32)  # distinct buffers: the state may be donated
+    zf = lambda: jnp.zeros((), jnp.float32)
+    return KVLearnState(
+        pool=pool_lib.init_pool(
+            max_blocks=cfg.max_blocks,
+            max_keys=cfg.max_keys,
+            capacity_kib=cap_kib,
+            max_victims=cfg.max_victims,
+        ),
+        hist=F.init_history(cfg.max_keys),
+        prp=prp_state if prp_state is not None else prp_lib.init_prp(cfg.prp, key=k_prp),
+        atc=atc_lib.init_atc(cfg.atc),
+        r_bar_ms=zf(),
+        arrival_rate=zf(),
+        last_t=zf(),
+        counters=Counters(zi(), zi(), zi(), zi(), zi(), zf()),
+        rng=k_run,
+    )
+
+
+def _capacity_bytes(state: KVLearnState):
+    return state.pool.capacity_kib.astype(jnp.float32) * 1024.0
+
+
+def _signals(state: KVLearnState) -> F.Signals:
+    occ = state.pool.used_kib / jnp.maximum(state.pool.capacity_kib, 1)
+    return F.Signals(occupancy=occ.astype(jnp.float32), hit_rate=state.atc.hit_rate)
+
+
+def _featurize(state: KVLearnState, keys, t, cfg: KVLearnConfig):
+    return F.featurize(
+        state.hist,
+        keys,
+        t=t,
+        signals=_signals(state),
+        cost=cfg.cost,
+        tau_fast_s=cfg.tau_fast_s,
+        tau_slow_s=cfg.tau_slow_s,
+    )
+
+
+def _score(state: KVLearnState, x_F, tokens, cfg: KVLearnConfig):
+    """(P̂, CARS ms, ν) from features."""
+    p_hat = prp_lib.predict(state.prp, x_F, cfg=cfg.prp)
+    dt = (
+        1.0 / jnp.maximum(state.arrival_rate, 1e-6)
+        if cfg.storage_dt_s is None
+        else cfg.storage_dt_s
+    )
+    value, density = cars_lib.score(
+        cfg.cost,
+        p_hat=p_hat,
+        tokens=tokens,
+        r_bar_ms=state.r_bar_ms,
+        arrival_rate=state.arrival_rate,
+        capacity_bytes=_capacity_bytes(state),
+        dt_s=dt,
+    )
+    return p_hat, value, density
+
+
+def _update_estimates(state: KVLearnState, req: Request, cfg: KVLearnConfig) -> KVLearnState:
+    """EMA of R̄ (ms per request) and λ (requests/s); the first request initialises both."""
+    first = state.counters.requests == 0
+    d = cfg.ema_decay
+    r = cfg.cost.recompute_ms(req.tokens.astype(jnp.float32))
+    inst = 1.0 / jnp.maximum(req.time - state.last_t, 1e-3)
+    r_bar = jnp.where(first, r, d * state.r_bar_ms + (1 - d) * r)
+    lam = jnp.where(
+        first,
+        1.0,
+        jnp.where(state.counters.requests == 1, inst, d * state.arrival_rate + (1 - d) * inst),
+    )
+    return state.replace(r_bar_ms=r_bar, arrival_rate=lam.astype(jnp.float32), last_t=req.time)
+
+
+def lookup(state: KVLearnState, req: Request, *, cfg: KVLearnConfig):
+    """Looks ``req`` up and records it. Returns (state, hit: [] bool).
+
+    A hit's block is re-scored with its updated history and its pool→D transfer is counted.
+    """
+    hit = pool_lib.lookup(state.pool, req.key) >= 0
+    state = _update_estimates(state, req, cfg)
+    state = state.replace(atc=atc_lib.observe_hit(state.atc, hit, cfg=cfg.atc))
+    signals = _signals(state)
+    hist, x_F, (x_lab, y_lab, emitted) = F.record_request(
+        state.hist,
+        key=req.key,
+        t=req.time,
+        tokens=req.tokens,
+        modality=req.modality,
+        hit=hit,
+        horizon_s=cfg.horizon_s,
+        tau_fast_s=cfg.tau_fast_s,
+        tau_slow_s=cfg.tau_slow_s,
+        featurize_fn=lambda row: F.featurize_rows(
+            row,
+            t=req.time,
+            signals=signals,
+            cost=cfg.cost,
+            tau_fast_s=cfg.tau_fast_s,
+            tau_slow_s=cfg.tau_slow_s,
+        ),
+    )
+    prp = prp_lib.push_one(state.prp, x_lab, y_lab, emitted)
+    state = state.replace(hist=hist, prp=prp_lib.observe(prp, x_F))
+    _, value, density = _score(state, x_F, req.tokens, cfg)
+    pool = pool_lib.set_entry(
+        state.pool, slot=state.pool.slot_K[req.key], rank=density, value=value
+    )
+    c = state.counters
+    gib = cfg.cost.footprint_bytes(req.tokens.astype(jnp.float32)) / GIB
+    counters = c.replace(
+        requests=c.requests + 1, hits=c.hits + hit, transfer_gib=c.transfer_gib + gib
+    )
+    return state.replace(pool=pool, counters=counters), hit
+
+
+def admit(state: KVLearnState, req: Request, *, cfg: KVLearnConfig):
+    """Keep-or-discard for a missed request (call after ``lookup``). Returns (state, AdmitResult).
+
+    Keep iff ν > θ and, when victims are needed, CARS(candidate) > Σ CARS(victims), the
+    victims being the lowest-ν blocks that free enough space.
+    """
+    x_F = _featurize(state, req.key, req.time, cfg)
+    p_hat, value, density = _score(state, x_F, req.tokens, cfg)
+    kib = pool_lib.bytes_to_kib(cfg.cost.footprint_bytes(req.tokens))
+    gate = cars_lib.keep(density, state.atc.theta)
+    pool, admitted, victims = pool_lib.admit(
+        state.pool,
+        key=req.key,
+        kib=kib,
+        rank=density,
+        value=value,
+        allowed=gate,
+        rule="value",
+        margin=cfg.swap_margin,
+    )
+    evicted_V = victims.key_V
+    hist = F.count_evictions(state.hist, evicted_keys=evicted_V)
+    n_ev = jnp.sum(evicted_V >= 0, dtype=jnp.int32)
+    c = state.counters
+    gib = cfg.cost.footprint_bytes(req.tokens.astype(jnp.float32)) / GIB
+    counters = c.replace(
+        admits=c.admits + admitted,
+        evictions=c.evictions + n_ev,
+        discards=c.discards + ~admitted,
+        transfer_gib=c.transfer_gib + jnp.where(admitted, gib, 0.0),
+    )
+    result = AdmitResult(admitted, n_ev, evicted_V, p_hat, value, density, state.atc.theta)
+    return state.replace(pool=pool, hist=hist, counters=counters), result
+
+
+def feed_labels(state: KVLearnState, x_BF, y_B, mask_B=None) -> KVLearnState:
+    """Adds externally observed (features, reuse label) pairs to the PRP's replay buffer."""
+    if mask_B is None:
+        mask_B = jnp.ones(y_B.shape, bool)
+    return state.replace(prp=prp_lib.push_labels(state.prp, x_BF, y_B.astype(jnp.float32), mask_B))
+
+
+def _resident_features(state: KVLearnState, t, cfg: KVLearnConfig):
+    keys_C = jnp.maximum(state.pool.key_C, 0)
+    return keys_C, _featurize(state, keys_C, t, cfg)
+
+
+def rescore_pool(state: KVLearnState, t, *, cfg: KVLearnConfig, x_CF=None) -> KVLearnState:
+    """Re-scores every resident block at time ``t`` (``x_CF``: their features, if computed)."""
+    keys_C = jnp.maximum(state.pool.key_C, 0)
+    if x_CF is None:
+        x_CF = _featurize(state, keys_C, t, cfg)
+    _, value_C, density_C = _score(state, x_CF, state.hist.col(F.TOKENS, keys_C), cfg)
+    return state.replace(pool=pool_lib.set_ranks(state.pool, rank_C=density_C, value_C=value_C))
+
+
+def tick(state: KVLearnState, t, *, cfg: KVLearnConfig) -> KVLearnState:
+    """Off-path maintenance at time ``t``: labels, re-scoring, ATC step, PRP training.
+
+    Expired windows emit label 0; resident blocks due a window get one with the same
+    features they are re-scored with.
+    """
+    hist, x_KF, mask_K = F.expire_windows(state.hist, t=t, horizon_s=cfg.horizon_s)
+    prp = prp_lib.push_labels(state.prp, x_KF, jnp.zeros(mask_K.shape, jnp.float32), mask_K)
+    state = state.replace(hist=hist, prp=prp)
+    keys_C, x_CF = _resident_features(state, t, cfg)
+    live_C = pool_lib.resident(state.pool)
+    hist = F.open_windows(
+        state.hist, t=t, keys_C=keys_C, x_CF=x_CF, live_C=live_C, horizon_s=cfg.horizon_s
+    )
+    state = rescore_pool(state.replace(hist=hist), t, cfg=cfg, x_CF=x_CF)
+    p = state.pool
+    rho = atc_lib.pressure(
+        density_C=p.rank_C,
+        kib_C=p.kib_C,
+        live_C=pool_lib.resident(p),
+        theta=state.atc.theta,
+        capacity_kib=p.capacity_kib,
+    )
+    k_train, k_next = jax.random.split(state.rng)
+    return state.replace(
+        atc=atc_lib.update(state.atc, rho=rho, cfg=cfg.atc),
+        prp=prp_lib.maybe_train(state.prp, key=k_train, cfg=cfg.prp),
+        rng=k_next,
+    )

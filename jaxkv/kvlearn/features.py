@@ -1,0 +1,255 @@
+"""Per-prefix history, the PRP's 16 features, and delayed reuse labels.
+
+History is kept for every key ever requested (``[K]`` arrays), resident or not: after a block is
+evicted or discarded its key stays as a *ghost*, so admission knows a prefix's past even when
+the pool does not hold it.
+
+The 16 features of key k at time t (all computed by ``featurize``, identically for training
+windows, admission, hits and re-scoring at ``tick``):
+
+====  ===================================================================================
+ 0    log1p(fast decayed request count), τ = ``tau_fast_s`` (recent popularity)
+ 1    log1p(slow decayed request count), τ = ``tau_slow_s`` (long-run popularity)
+ 2    log1p(total requests for k)
+ 3    log1p(t − last request time) (recency, s)
+ 4    log1p(last inter-request gap) (s; ``GAP_NEVER`` before a second request)
+ 5    log1p(ghost hits): requests that missed although k had been seen before
+ 6    log1p(times k was evicted)
+ 7    log1p(t − first request time) (age of the prefix, s)
+ 8    log(prefix length in tokens)
+ 9    log(footprint in MiB)
+10    modality: text (one-hot)
+11    modality: image (one-hot)
+12    modality: video (one-hot)
+13    pool occupancy (used / capacity)
+14    windowed pool hit rate (the ATC's EMA)
+15    log1p(R − T): ms one reuse saves
+====  ===================================================================================
+
+Labels (one per key per horizon H): a *window* opens for key k when none is open and the
+previous one opened ≥ H ago, at a request for k or, while k's block is resident, at a tick; it
+stores the features at that moment (the admission or re-scoring features). The next
+request for k within H closes it with label 1 (a block reused exactly once counts); if H passes
+without one, the next tick (or request) closes it with label 0. Outcomes come from the request
+stream, so windows of evicted and discarded keys are labelled too, without bias from eviction.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxkv.kvlearn.cost import MIB, CostModel
+
+N_FEATURES = 16
+GAP_NEVER = 1e4
+
+# Columns of the per-key history table (float32; counts are exact below 2^24).
+N_REQ, F_FAST, F_SLOW, FIRST_T, LAST_T, GAP, GHOST, N_EVICT = range(8)
+TOKENS, MODALITY, WIN_OPEN, WIN_T0, NEXT_OPEN = range(8, 13)
+WIN_X = slice(13, 13 + N_FEATURES)  # features stored when the key's window opened
+# "Outbox" columns: ``record_request`` writes its outputs here and reads them back after the
+# row update, so nothing reads the old row once the table has been updated in place. Without
+# this XLA (CPU) fuses reads of the old row into consumers scheduled after the update and
+# copies the whole table on every request (milliseconds at 10^5 keys).
+OUT_LABEL_X = slice(13 + N_FEATURES, 13 + 2 * N_FEATURES)
+OUT_X = slice(13 + 2 * N_FEATURES, 13 + 3 * N_FEATURES)
+OUT_Y, OUT_EMIT = 13 + 3 * N_FEATURES, 14 + 3 * N_FEATURES
+N_COLS = 15 + 3 * N_FEATURES
+
+
+@struct.dataclass
+class History:
+    """Per-key history and open label windows.
+
+    One row per key, so recording a request reads and writes a single row in place (separate
+    [K] arrays cross-read each other and made XLA copy them on every call).
+
+    Attributes:
+        table_KP: [K, P] float32 columns N_REQ (requests so far), F_FAST / F_SLOW (decayed
+            counts at LAST_T), FIRST_T / LAST_T (s), GAP (last inter-request gap, s), GHOST
+            (misses after the key had been seen), N_EVICT, TOKENS, MODALITY, WIN_OPEN (0/1),
+            WIN_T0 (window opening time), NEXT_OPEN (earliest next opening), WIN_X (16
+            features stored when the window opened) and the outbox columns (see above).
+    """
+
+    table_KP: jax.Array
+
+    @property
+    def win_x_KF(self):
+        """[K, 16] features stored when each key's window opened."""
+        return self.table_KP[:, WIN_X]
+
+    def col(self, c: int, keys=None):
+        """Column ``c`` for ``keys`` (all keys when None)."""
+        return self.table_KP[:, c] if keys is None else self.table_KP[keys, c]
+
+
+@struct.dataclass
+class Signals:
+    """Pool-level inputs to the features: occupancy and windowed hit rate ([] float32)."""
+
+    occupancy: jax.Array
+    hit_rate: jax.Array
+
+
+def init_history(max_keys: int) -> History:
+    table = jnp.zeros((max_keys, N_COLS), jnp.float32)
+    table = table.at[:, GAP].set(GAP_NEVER).at[:, TOKENS].set(1.0)
+    return History(table_KP=table)
+
+
+def observe_row(row_P, *, t, tokens, modality, hit, tau_fast_s, tau_slow_s):
+    """A key's history row after one more request at time ``t`` (its lookup resolved ``hit``)."""
+    seen = row_P[N_REQ] > 0
+    dt = t - row_P[LAST_T]
+    new = {
+        N_REQ: row_P[N_REQ] + 1.0,
+        F_FAST: jnp.where(seen, row_P[F_FAST] * jnp.exp(-dt / tau_fast_s), 0.0) + 1.0,
+        F_SLOW: jnp.where(seen, row_P[F_SLOW] * jnp.exp(-dt / tau_slow_s), 0.0) + 1.0,
+        FIRST_T: jnp.where(seen, row_P[FIRST_T], t),
+        LAST_T: t,
+        GAP: jnp.where(seen, dt, GAP_NEVER),
+        GHOST: row_P[GHOST] + (seen & ~hit),
+        TOKENS: tokens,
+        MODALITY: modality,
+    }
+    return _set(row_P, new)
+
+
+def _set(row, new: dict):
+    for c, v in new.items():
+        row = row.at[c].set(jnp.asarray(v, jnp.float32))
+    return row
+
+
+def count_evictions(hist: History, *, evicted_keys) -> History:
+    """Adds one eviction to each key in ``evicted_keys`` (entries < 0 are ignored)."""
+    idx = jnp.where(evicted_keys >= 0, evicted_keys, hist.table_KP.shape[0])
+    return hist.replace(table_KP=hist.table_KP.at[idx, N_EVICT].add(1.0, mode="drop"))
+
+
+def featurize(hist: History, keys, *, t, signals: Signals, cost: CostModel, tau_fast_s, tau_slow_s):
+    """[..., 16] float32 features of ``keys`` (any shape) at time ``t`` (see module table)."""
+    return featurize_rows(
+        hist.table_KP[keys],
+        t=t,
+        signals=signals,
+        cost=cost,
+        tau_fast_s=tau_fast_s,
+        tau_slow_s=tau_slow_s,
+    )
+
+
+def featurize_rows(rows_P, *, t, signals: Signals, cost: CostModel, tau_fast_s, tau_slow_s):
+    """[..., 16] features from history rows [..., 13]."""
+    col = lambda c: rows_P[..., c]
+    dt = jnp.maximum(t - col(LAST_T), 0.0)
+    seen = col(N_REQ) > 0
+    fast = jnp.where(seen, col(F_FAST) * jnp.exp(-dt / tau_fast_s), 0.0)
+    slow = jnp.where(seen, col(F_SLOW) * jnp.exp(-dt / tau_slow_s), 0.0)
+    tokens = col(TOKENS)
+    mib = cost.footprint_bytes(tokens) / MIB
+    onehot = jax.nn.one_hot(col(MODALITY).astype(jnp.int32), 3, dtype=jnp.float32)
+    net = jnp.maximum(cost.net_benefit_ms(tokens), 0.0)
+    scalar = lambda v: jnp.broadcast_to(v, dt.shape).astype(jnp.float32)
+    cols = [
+        jnp.log1p(fast),
+        jnp.log1p(slow),
+        jnp.log1p(col(N_REQ)),
+        jnp.log1p(jnp.where(seen, dt, GAP_NEVER)),
+        jnp.log1p(col(GAP)),
+        jnp.log1p(col(GHOST)),
+        jnp.log1p(col(N_EVICT)),
+        jnp.log1p(jnp.where(seen, t - col(FIRST_T), 0.0)),
+        jnp.log(tokens),
+        jnp.log(mib),
+        onehot[..., 0],
+        onehot[..., 1],
+        onehot[..., 2],
+        scalar(signals.occupancy),
+        scalar(signals.hit_rate),
+        jnp.log1p(net),
+    ]
+    return jnp.stack(cols, axis=-1).astype(jnp.float32)
+
+
+def resolve_row(row_P, *, t, horizon_s):
+    """Closes the row's open window at a new request: label 1 within H, else 0.
+
+    Returns:
+        (row_P, y, emitted): the label and whether a window was open to emit it.
+    """
+    emitted = row_P[WIN_OPEN] > 0
+    y = (t - row_P[WIN_T0] <= horizon_s).astype(jnp.float32)
+    return row_P.at[WIN_OPEN].set(0.0), y, emitted
+
+
+def open_row(row_P, *, t, horizon_s):
+    """Opens a window at ``t`` if none is open and H has passed. Returns (row_P, opened)."""
+    do = (row_P[WIN_OPEN] == 0) & (t >= row_P[NEXT_OPEN])
+    new = {WIN_OPEN: 1.0, WIN_T0: t, NEXT_OPEN: t + horizon_s}
+    return jnp.where(do, _set(row_P, new), row_P), do
+
+
+def record_request(
+    hist: History, *, key, t, tokens, modality, hit, horizon_s, tau_fast_s, tau_slow_s, featurize_fn
+):
+    """Everything a request does to the history, reading and writing ``key``'s rows once.
+
+    Resolves the open window (label), adds the request, featurizes the key with
+    ``featurize_fn(row_P)`` and opens a new window if due.
+
+    Returns:
+        (hist, x_F, (label_x_F, label_y, label_emitted)).
+    """
+    row = hist.table_KP[key]
+    x_win = row[WIN_X]
+    row, y, emitted = resolve_row(row, t=t, horizon_s=horizon_s)
+    row = observe_row(
+        row,
+        t=t,
+        tokens=tokens,
+        modality=modality,
+        hit=hit,
+        tau_fast_s=tau_fast_s,
+        tau_slow_s=tau_slow_s,
+    )
+    x_F = featurize_fn(row)
+    row, opened = open_row(row, t=t, horizon_s=horizon_s)
+    row = (
+        row.at[WIN_X]
+        .set(jnp.where(opened, x_F, x_win))
+        .at[OUT_LABEL_X]
+        .set(x_win)
+        .at[OUT_X]
+        .set(x_F)
+        .at[OUT_Y]
+        .set(y)
+        .at[OUT_EMIT]
+        .set(emitted.astype(jnp.float32))
+    )
+    table = jax.lax.dynamic_update_slice(hist.table_KP, row[None], (key, 0))
+    out = table[key]  # read back after the write (see OUT_* above)
+    label = (out[OUT_LABEL_X], out[OUT_Y], out[OUT_EMIT] > 0)
+    return hist.replace(table_KP=table), out[OUT_X], label
+
+
+def expire_windows(hist: History, *, t, horizon_s):
+    """Closes every window older than H with label 0. Returns (hist, x_KF, mask_K)."""
+    mask_K = (hist.col(WIN_OPEN) > 0) & (t - hist.col(WIN_T0) > horizon_s)
+    table = hist.table_KP.at[:, WIN_OPEN].set(jnp.where(mask_K, 0.0, hist.col(WIN_OPEN)))
+    return hist.replace(table_KP=table), hist.table_KP[:, WIN_X], mask_K
+
+
+def open_windows(hist: History, *, t, keys_C, x_CF, live_C, horizon_s) -> History:
+    """Opens windows (features ``x_CF``) for the resident blocks ``keys_C`` that have none and are
+    due one. Keys outside the pool get windows only at their requests, so long-gone prefixes
+    do not flood the replay buffer with negatives."""
+    rows = hist.table_KP[keys_C]
+    do_C = live_C & (rows[:, WIN_OPEN] == 0) & (t >= rows[:, NEXT_OPEN])
+    idx_C = jnp.where(do_C, keys_C, hist.table_KP.shape[0])  # others → dropped
+    new = rows.at[:, WIN_OPEN].set(1.0).at[:, WIN_T0].set(t).at[:, NEXT_OPEN].set(t + horizon_s)
+    new = new.at[:, WIN_X].set(x_CF)
+    return hist.replace(table_KP=hist.table_KP.at[idx_C].set(new, mode="drop"))

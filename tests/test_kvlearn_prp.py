@@ -1,0 +1,156 @@
+"""PRP: online learning of a separable pattern, delayed labels, whitening before prediction."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxkv.kvlearn import baselines as B
+from jaxkv.kvlearn import control as C
+from jaxkv.kvlearn import features as F
+from jaxkv.kvlearn import prp as P
+from jaxkv.kvlearn import simulate as S
+from jaxkv.kvlearn import traces as T
+
+PCFG = P.PRPConfig()
+
+
+def test_readme_defaults():
+    assert (PCFG.hidden, PCFG.learning_rate, PCFG.replay_size, PCFG.train_every) == (
+        32,
+        5e-3,
+        20_000,
+        100,
+    )
+    params = P.init_prp(PCFG, key=jax.random.key(0)).params
+    assert params["Dense_0"]["kernel"].shape == (16, 32) and params["Dense_1"]["kernel"].shape == (
+        32,
+        1,
+    )
+
+
+def test_learns_separable_pattern_online():
+    rng = np.random.default_rng(0)
+    n_batches = 30
+    x = rng.normal(size=(n_batches, 100, 16)).astype(np.float32) * 3.0 + 5.0  # needs whitening
+    y = ((x[..., 0] - 5.0) - (x[..., 3] - 5.0) > 0).astype(np.float32)
+
+    def step(state, batch):
+        xb, yb = batch
+        state = jax.lax.fori_loop(0, 100, lambda i, s: P.observe(s, xb[i]), state)
+        state = P.push_labels(state, xb, yb, jnp.ones(100, bool))
+        return P.maybe_train(
+            state, key=jax.random.fold_in(jax.random.key(1), state.n_labels), cfg=PCFG
+        ), None
+
+    state, _ = jax.jit(lambda s, b: jax.lax.scan(step, s, b))(
+        P.init_prp(PCFG, key=jax.random.key(0)), (x, y)
+    )
+    assert int(state.n_updates) == n_batches * PCFG.updates_per_round  # one round per 100 labels
+    assert int(state.labels_since) == 0 and int(state.buf_size) == 3000
+    x_test = rng.normal(size=(2000, 16)).astype(np.float32) * 3.0 + 5.0
+    y_test = (x_test[:, 0] - x_test[:, 3]) > 0
+    acc = np.mean((np.asarray(P.predict(state, x_test, cfg=PCFG)) > 0.5) == y_test)
+    assert acc > 0.95
+
+
+def test_whitening_is_used_before_the_first_prediction():
+    cfg = C.KVLearnConfig(max_blocks=4, max_keys=4)
+    state = C.init(cfg, capacity_bytes=1 << 30, key=jax.random.key(0))
+    req = C.Request(jnp.int32(1), jnp.int32(576), jnp.int32(1), jnp.float32(0.05))
+    state, hit = C.lookup(state, req, cfg=cfg)
+    assert not bool(hit) and float(state.prp.n_obs) == 1.0
+    raw = F.featurize(
+        state.hist,
+        1,
+        t=0.05,
+        signals=C._signals(state),
+        cost=cfg.cost,
+        tau_fast_s=cfg.tau_fast_s,
+        tau_slow_s=cfg.tau_slow_s,
+    )
+    state, res = C.admit(state, req, cfg=cfg)
+    # one observation: the whitened vector is exactly zero
+    np.testing.assert_array_equal(np.asarray(P.whiten(state.prp, raw)), np.zeros(16))
+    expected = jax.nn.sigmoid(P.logits(state.prp.params, jnp.zeros(16), hidden=32))
+    assert float(res.p_hat) == pytest.approx(float(expected), abs=1e-7)
+    unwhitened = float(jax.nn.sigmoid(P.logits(state.prp.params, raw, hidden=32)))
+    assert abs(unwhitened - float(res.p_hat)) > 1e-3
+
+
+def _labels(state):
+    n = int(state.prp.buf_size)
+    return np.asarray(state.prp.buf_x_MF[:n]), np.asarray(state.prp.buf_y_M[:n])
+
+
+def test_labels_for_a_block_hit_exactly_once():
+    cfg = C.KVLearnConfig(max_blocks=4, max_keys=4, horizon_s=10.0)
+    lookup = jax.jit(C.lookup, static_argnames="cfg")
+    admit = jax.jit(C.admit, static_argnames="cfg")
+    tick = jax.jit(C.tick, static_argnames="cfg")
+    req = lambda key, t: C.Request(jnp.int32(key), jnp.int32(576), jnp.int32(1), jnp.float32(t))
+    state = C.init(cfg, capacity_bytes=1 << 30, key=jax.random.key(0))
+    A, Bk = 0, 1
+    state, hit = lookup(state, req(A, 0.0), cfg=cfg)
+    state, res = admit(state, req(A, 0.0), cfg=cfg)
+    assert not bool(hit) and bool(res.admitted)
+    x_open = np.asarray(state.hist.win_x_KF[A])
+    x_expected = F.featurize(
+        state.hist,
+        A,
+        t=0.0,
+        signals=F.Signals(jnp.float32(0.0), jnp.float32(0.0)),
+        cost=cfg.cost,
+        tau_fast_s=30.0,
+        tau_slow_s=600.0,
+    )
+    np.testing.assert_allclose(x_open, np.asarray(x_expected), rtol=1e-6)
+    state, hit = lookup(state, req(A, 3.0), cfg=cfg)  # the single reuse, within H
+    assert bool(hit)
+    x, y = _labels(state)
+    np.testing.assert_array_equal(y, [1.0])  # counted as reused (the reference needed 2 hits)
+    np.testing.assert_array_equal(x[0], x_open)  # the features the decision was made with
+    for t in (4.0, 5.0, 6.0):  # more hits inside the same horizon: no more labels
+        state, _ = lookup(state, req(A, t), cfg=cfg)
+    state, _ = lookup(state, req(Bk, 4.5), cfg=cfg)
+    state = tick(state, jnp.float32(9.0), cfg=cfg)
+    assert int(state.prp.n_labels) == 1
+    state = tick(state, jnp.float32(15.0), cfg=cfg)  # B expired unreused (0); A re-opens at 15
+    x, y = _labels(state)
+    np.testing.assert_array_equal(y, [1.0, 0.0])
+    state = tick(state, jnp.float32(26.0), cfg=cfg)  # A's second window expires unreused
+    _, y = _labels(state)
+    np.testing.assert_array_equal(y, [1.0, 0.0, 0.0])
+    state = tick(state, jnp.float32(27.0), cfg=cfg)  # nothing new
+    assert int(state.prp.n_labels) == 3
+
+
+def test_online_prp_separates_hot_from_cold_prefixes_in_the_simulator():
+    # even requests cycle 10 hot images (each reused every second); odd requests are fresh
+    # videos never seen again: reuse is fully predictable from history and modality
+    n = 6000
+    n_cold = n // 2
+    key = np.where(np.arange(n) % 2 == 0, (np.arange(n) // 2) % 10, 10 + np.arange(n) // 2).astype(
+        np.int32
+    )
+    modality = np.where(key < 10, T.IMAGE, T.VIDEO).astype(np.int32)
+    tokens = np.where(key < 10, 576, 720).astype(np.int32)
+    trace = T.Trace(
+        key,
+        tokens,
+        modality,
+        np.arange(1, n + 1) * 0.05,
+        tuple(f"k{i}" for i in range(10 + n_cold)),
+    )
+    sim_cfg = S.SimConfig()
+    kv_cfg = sim_cfg.kvlearn.replace(max_keys=trace.n_keys, max_blocks=trace.n_keys)
+    policy = B.kvlearn(cfg=kv_cfg)
+    inputs = S._inputs(trace, capacity_bytes=2 << 30, seed=0, cost=sim_cfg.cost)
+    inputs = inputs.replace(key=jax.random.wrap_key_data(inputs.key))
+    reqs = S.sim_requests(trace, cost=sim_cfg.cost, seed=0)
+    _, state = jax.jit(lambda r, i: S.scan_policy(policy, r, i, tick_every=20))(reqs, inputs)
+    x, y = _labels(state)
+    assert y.sum() > 200 and (1 - y).sum() > 2000  # hot reuses and cold expiries
+    p = np.asarray(P.predict(state.prp, x, cfg=kv_cfg.prp))
+    assert np.mean(p[y == 1] > 0.5) > 0.95 and np.mean(p[y == 0] < 0.5) > 0.95
+    assert int(state.prp.n_updates) > 0
