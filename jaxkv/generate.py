@@ -259,15 +259,8 @@ def generate_tokens(
             f"prompt ({int(lengths_B.max())} tokens, padded to {prompt_BT.shape[1]}) + "
             f"{max_new_tokens} new tokens exceeds the model's max_seq_len {config.max_seq_len}"
         )
-    capacity = n_max if compression is None else compression.capacity(n_max)
-    if compression is not None and policy_state is None:
-        policy_state = compression.policy.init()
-    cache = kvcache.init_cache(
-        config,
-        batch_size=len(prompts),
-        capacity=max(capacity, prompt_BT.shape[1]),
-        stats=compression is not None,
-        window=compression.policy.window if compression is not None else 64,
+    capacity, cache, policy_state = _run_cache(
+        config, len(prompts), n_max, prompt_BT.shape[1], compression, policy_state
     )
     with warnings.catch_warnings():
         # a prompt longer than the compressed capacity is compacted into a smaller cache,
@@ -289,6 +282,22 @@ def generate_tokens(
             capacity=capacity,
         )
     return _trim(np.asarray(state.tokens), np.asarray(state.step), set(stop_tokens))
+
+
+def _run_cache(config, batch, n_max, prompt_len, compression, policy_state):
+    """(loop capacity, prefill cache, policy state) of a run of ``n_max`` tokens: the
+    prefill cache holds the whole prompt, the loop cache the compressed capacity."""
+    capacity = n_max if compression is None else compression.capacity(n_max)
+    if compression is not None and policy_state is None:
+        policy_state = compression.policy.init()
+    cache = kvcache.init_cache(
+        config,
+        batch_size=batch,
+        capacity=max(capacity, prompt_len),
+        stats=compression is not None,
+        window=compression.policy.window if compression is not None else 64,
+    )
+    return capacity, cache, policy_state
 
 
 def _trim(tokens_BN: np.ndarray, n_steps: int, stops: set[int]) -> list[list[int]]:
@@ -469,16 +478,7 @@ def teacher_forced(
     B, T = tokens_BT.shape
     if not 0 < prompt_len < T:
         raise ValueError(f"prompt_len must be in [1, {T - 1}], got {prompt_len}")
-    capacity = T if compression is None else compression.capacity(T)
-    if compression is not None and policy_state is None:
-        policy_state = compression.policy.init()
-    cache = kvcache.init_cache(
-        config,
-        batch_size=B,
-        capacity=max(capacity, prompt_len),
-        stats=compression is not None,
-        window=compression.policy.window if compression is not None else 64,
-    )
+    capacity, cache, policy_state = _run_cache(config, B, T, prompt_len, compression, policy_state)
     return _teacher_forced_jit(
         params,
         jnp.asarray(tokens_BT, jnp.int32),
