@@ -15,6 +15,15 @@ Modules (data flows top to bottom):
     simulate   lax.scan simulator, vmap over runs, metrics, sweeps
     pretrain / checkpoint   offline PRP training and orbax save / restore
     cli        ``python -m jaxkv.eval kvlearn`` and ``python -m jaxkv.train kvlearn``
+
+Serving scale (plain Python/numpy, Mooncake traces):
+
+    prefix         block-granular prefix cache (longest resident leading run, leaf eviction)
+    serving        Mooncake loader, FCFS prefill nodes, TTFT/throughput records, block policies
+    block_kvlearn  KVLearn's design at block granularity (online logistic PRP, gated admission)
+    mmsession      MM-Session workload generator (Mooncake JSONL)
+    calibrate      α_bw, α_flop from jaxkv's own decoder (``kvlearn calibrate``)
+    serving_cli    the CLI mode for Mooncake files
 """
 
 from jaxkv.kvlearn.atc import ATCConfig

@@ -49,12 +49,13 @@ def _list(kind):
 
 
 def _policies(s: str) -> list[str]:
+    from jaxkv.kvlearn.serving import POLICIES as SERVING
+
     names = [x for x in s.split(",") if x]
-    bad = [n for n in names if n not in B.POLICIES]
+    known = list(B.POLICIES) + [n for n in SERVING if n not in B.POLICIES]
+    bad = [n for n in names if n not in known]
     if bad or not names:
-        raise argparse.ArgumentTypeError(
-            f"unknown policies {bad}; choose from {','.join(B.POLICIES)}"
-        )
+        raise argparse.ArgumentTypeError(f"unknown policies {bad}; choose from {','.join(known)}")
     return names
 
 
@@ -69,8 +70,16 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tick-every", type=_positive_int, default=20, help="requests between ticks")
 
 
+def _cost(args) -> CostModel:
+    if getattr(args, "calibration", None):
+        from jaxkv.kvlearn.calibrate import cost_model_from
+
+        return cost_model_from(args.calibration)
+    return CostModel.preset(args.cost_preset)
+
+
 def _sim_cfg(args) -> S.SimConfig:
-    cost = CostModel.preset(args.cost_preset)
+    cost = _cost(args)
     return S.SimConfig(
         kvlearn=KVLearnConfig(cost=cost, horizon_s=args.horizon), tick_every=args.tick_every
     )
@@ -98,14 +107,25 @@ def eval_parser() -> argparse.ArgumentParser:
     p.add_argument("zipf_alpha", nargs="?", type=_alpha, help="Zipf exponent (default 1.1)")
     p.add_argument("pool_gib", nargs="?", type=_pool, help="pool size in GiB (default 4)")
     p.add_argument(
-        "--policies", type=_policies, default=list(B.POLICIES), help="comma-separated subset"
+        "--policies",
+        type=_policies,
+        default=None,
+        help="comma-separated subset (default: every policy of the chosen simulator)",
     )
     p.add_argument("--json", metavar="PATH", help="write {config, results} as JSON")
     p.add_argument(
-        "--trace", metavar="JSONL", help="replay a JSONL trace instead of the Zipf workload"
+        "--trace",
+        metavar="JSONL",
+        help="replay a JSONL trace instead of the Zipf workload; a Mooncake-format file "
+        "(timestamp, input_length, output_length, hash_ids) runs the serving simulator",
     )
     p.add_argument("--mooncake", metavar="JSONL", help="replay a Mooncake trace block by block")
     p.add_argument("--prp-checkpoint", metavar="DIR", help="start KVLearn from a pre-trained PRP")
+    p.add_argument(
+        "--calibration",
+        metavar="JSON",
+        help="cost model from `kvlearn calibrate --json` instead of --cost-preset",
+    )
     _common(p)
     g = p.add_argument_group("sweep")
     g.add_argument(
@@ -123,6 +143,9 @@ def eval_parser() -> argparse.ArgumentParser:
         default="vmap",
         help="one vmapped batch per policy, or one run after another (faster on CPU)",
     )
+    from jaxkv.kvlearn import serving_cli
+
+    serving_cli.add_arguments(p)
     return p
 
 
@@ -290,9 +313,24 @@ def _write_json(path, obj) -> None:
 
 def eval_main(argv: list[str]) -> int:
     """``python -m jaxkv.eval kvlearn [n_requests] [zipf_alpha] [pool_GiB] [options]``."""
+    if argv and argv[0] == "calibrate":
+        from jaxkv.kvlearn import calibrate
+
+        return calibrate.main(argv[1:])
     parser = eval_parser()
     args = parser.parse_args(argv)
     try:
+        from jaxkv.kvlearn import serving, serving_cli
+
+        if args.trace and serving.is_mooncake_file(args.trace):
+            return serving_cli.main(args, cost=_cost(args))
+        if args.policies is None:
+            args.policies = list(B.POLICIES)
+        if args.pool_gib is None and args.serving_pool_gib is not None:
+            args.pool_gib = args.serving_pool_gib
+        extra = [n for n in args.policies if n not in B.POLICIES]
+        if extra:
+            raise ValueError(f"policies {extra} need a Mooncake trace (--trace)")
         sim_cfg = _sim_cfg(args)
         prp = _load_prp(args.prp_checkpoint)
         return _sweep(args, sim_cfg, prp) if args.sweep else _single(args, sim_cfg, prp)

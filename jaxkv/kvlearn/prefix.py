@@ -1,0 +1,132 @@
+"""Block-granular prefix cache for Mooncake traces (plain Python, host side).
+
+A Mooncake request names its prompt as ``hash_ids``: one id per 512-token block, chained, so an
+id names a whole prefix. A request's cached prefix is the **longest run of leading blocks present
+in the pool**; a block whose predecessor is missing is useless (attention needs every earlier
+key) and is not a hit, even if it is resident.
+
+``PrefixCache`` holds at most ``capacity`` blocks (one slot per block, whatever its length) and
+evicts the lowest-priority eligible block. With ``leaf_only=True`` only leaves are eligible (a
+block none of whose resident successors depend on it), and a block is admitted only under a
+resident predecessor, so the resident set stays prefix-closed (a radix forest). With
+``leaf_only=False`` (the block-keyed LRU-Pool) any block may be evicted, which can strand its
+resident descendants.
+
+Priorities are tuples compared lexicographically (lower = evicted first), computed by the
+policy when a block is touched and kept in a lazy heap (stale entries are skipped by version).
+This is a plain-Python simulator, not jitted: the heap and the variable-length prefix walks do
+not map onto a fixed-shape ``lax.scan`` without padding every request to its longest prefix.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+
+ROOT = -1
+
+
+class PrefixCache:
+    """A capacity-bounded set of blocks with prefix structure and a lazy eviction heap.
+
+    Args:
+        capacity: blocks the pool holds (≥ 0).
+        n_blocks: size of the dense block-id space (ids are ``0..n_blocks-1``).
+        leaf_only: evict only leaves and admit only under a resident parent (prefix cache).
+    """
+
+    def __init__(self, capacity: int, *, n_blocks: int, leaf_only: bool = True):
+        if capacity < 0:
+            raise ValueError(f"capacity must be ≥ 0 blocks, got {capacity}")
+        self.capacity = int(capacity)
+        self.leaf_only = leaf_only
+        self.resident = np.zeros(n_blocks, bool)
+        self.parent = np.full(n_blocks, ROOT, np.int64)
+        self.n_children = np.zeros(n_blocks, np.int64)  # resident children (leaf_only)
+        self.version = np.zeros(n_blocks, np.int64)
+        self.prio: dict[int, tuple] = {}
+        self.size = 0
+        self.evictions = 0
+        self._heap: list[tuple] = []
+
+    # ---- queries --------------------------------------------------------------------------
+    def match(self, blocks) -> int:
+        """Length of the longest run of leading ``blocks`` that are resident."""
+        n = 0
+        for b in blocks:
+            if not self.resident[b]:
+                break
+            n += 1
+        return n
+
+    def is_leaf(self, b: int) -> bool:
+        return self.n_children[b] == 0
+
+    # ---- updates --------------------------------------------------------------------------
+    def touch(self, b: int, prio: tuple) -> None:
+        """Sets a resident block's priority."""
+        self.version[b] += 1
+        self.prio[b] = prio
+        heapq.heappush(self._heap, (prio, int(self.version[b]), int(b)))
+
+    def insert(self, b: int, parent: int, prio: tuple, *, min_victim: tuple | None = None) -> bool:
+        """Admits block ``b`` under ``parent`` (ROOT for a first block), evicting as needed.
+
+        With ``min_victim`` set, refuses (without evicting) if the first victim's priority is
+        not below ``min_victim`` (a bypass rule: never evict something worth more). Returns
+        whether ``b`` is resident afterwards.
+        """
+        if self.resident[b]:
+            self.touch(b, prio)
+            return True
+        if self.capacity == 0:
+            return False
+        has_parent = parent != ROOT and self.resident[parent]
+        if self.leaf_only and parent != ROOT and not has_parent:
+            return False
+        if self.leaf_only and has_parent:
+            self.n_children[parent] += 1  # pins the parent while making room
+        while self.size >= self.capacity:
+            victim = self._peek_victim()
+            if victim is None or (min_victim is not None and self.prio[victim] >= min_victim):
+                if self.leaf_only and has_parent:
+                    self.n_children[parent] -= 1
+                    if self.n_children[parent] == 0:
+                        self.touch(parent, self.prio[parent])  # its heap entry may be gone
+                return False
+            self._evict(victim)
+        self.resident[b] = True
+        self.parent[b] = parent if has_parent else ROOT
+        self.n_children[b] = 0
+        self.size += 1
+        self.touch(b, prio)
+        return True
+
+    def peek_victim_prio(self) -> tuple | None:
+        """Priority of the block that would be evicted next (None if none is eligible)."""
+        v = self._peek_victim()
+        return None if v is None else self.prio[v]
+
+    def _peek_victim(self) -> int | None:
+        h = self._heap
+        while h:
+            prio, ver, b = h[0]
+            if self.resident[b] and ver == self.version[b]:
+                if not self.leaf_only or self.n_children[b] == 0:
+                    return b
+                # an inner node: dropped now, re-pushed when its last child leaves
+            heapq.heappop(h)
+        return None
+
+    def _evict(self, b: int) -> None:
+        heapq.heappop(self._heap)
+        self.resident[b] = False
+        self.version[b] += 1
+        self.size -= 1
+        self.evictions += 1
+        p = int(self.parent[b])
+        if self.leaf_only and p != ROOT and self.resident[p]:
+            self.n_children[p] -= 1
+            if self.n_children[p] == 0:
+                self.touch(p, self.prio[p])  # became a leaf: eligible again

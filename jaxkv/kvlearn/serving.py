@@ -1,0 +1,409 @@
+"""Serving-scale simulation of Mooncake traces: block-level prefix caching + disaggregated timing.
+
+Requests (``MooncakeTrace``) arrive at their trace timestamps (divided by ``load_scale``) and are
+served FCFS by ``prefill_nodes`` identical prefill nodes fed from one central queue (M/G/c: a
+request starts on the first node to free up, in arrival order). For request i with n input
+tokens, c of them in its cached prefix (``prefix.PrefixCache``, looked up when it *starts*):
+
+    service_i = T(c) + R(n) − R(c)          fetch the cached KV from the pool, then prefill the
+                                            suffix over the cached context (R is the envelope
+                                            of ``cost.CostModel``; R(n) − R(c) is the suffix's
+                                            share of the full prefill: its linear work plus its
+                                            attention over the prefix)
+    TTFT_i    = wait_i + service_i + T(n)   wait in the queue, prefill, ship all n tokens' KV to
+                                            the decode node (decode itself is not modelled)
+
+The suffix's blocks are offered to the pool when the request *finishes*, so a request that
+starts while an earlier one with the same prefix is still computing recomputes it (as a real
+engine would). Transfer volume counts pool → prefill (c tokens), prefill → decode (n tokens)
+and prefill → pool (admitted blocks). The pool holds ``pool_blocks`` blocks (one slot per block;
+capacity from GiB is ⌊bytes / |512-token block|⌋).
+
+Policies (``POLICIES``): ``no_cache``; ``lru`` (LRU-Pool: blocks as independent keys, LRU over
+all blocks, admit every computed block; eviction may strand descendants); ``mooncake``
+(Mooncake-style prefix cache: LRU over leaves, admit every computed block); ``lfu`` (fewest
+accesses among leaves); ``belady`` (future knowledge: evict the leaf used again last; admit a
+block only if it is used again sooner than the victim; a heuristic bound: not optimal for
+TTFT with queueing); ``kvlearn`` (see ``block_kvlearn``).
+
+``throughput_rps`` is goodput: requests whose TTFT met the SLO divided by the arrival span.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import json
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+
+from jaxkv.kvlearn.cost import GIB, CostModel
+from jaxkv.kvlearn.prefix import ROOT, PrefixCache
+from jaxkv.kvlearn.traces import TraceError
+
+BLOCK_TOKENS = 512
+POLICIES = ("no_cache", "lru", "mooncake", "lfu", "belady", "kvlearn")
+_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
+INF = math.inf
+
+
+# ---- trace ----------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class MooncakeTrace:
+    """Requests in arrival order.
+
+    Attributes:
+        time_s: [N] float64 arrival times (s).
+        input_len: [N] int64 prompt tokens.
+        output_len: [N] int64 generated tokens (not simulated; kept for completeness).
+        blocks: N int64 arrays of dense block ids, one per ``block_tokens`` prompt block.
+        n_blocks: distinct block ids.
+    """
+
+    time_s: np.ndarray
+    input_len: np.ndarray
+    output_len: np.ndarray
+    blocks: tuple[np.ndarray, ...]
+    n_blocks: int
+    block_tokens: int = BLOCK_TOKENS
+
+    def __len__(self) -> int:
+        return int(self.time_s.shape[0])
+
+    def scaled(self, load_scale: float) -> MooncakeTrace:
+        """Arrivals compressed ``load_scale``× (S > 1 is heavier load)."""
+        if not load_scale > 0 or not math.isfinite(load_scale):
+            raise ValueError(f"load_scale must be a positive number, got {load_scale}")
+        return dataclasses.replace(self, time_s=self.time_s / load_scale)
+
+    def head(self, n: int) -> MooncakeTrace:
+        return dataclasses.replace(
+            self,
+            time_s=self.time_s[:n],
+            input_len=self.input_len[:n],
+            output_len=self.output_len[:n],
+            blocks=self.blocks[:n],
+        )
+
+    def block_tokens_of(self, i: int) -> np.ndarray:
+        """[n_i] tokens in each block of request i (the last one holds the remainder)."""
+        nb = len(self.blocks[i])
+        tok = np.full(nb, self.block_tokens, np.int64)
+        tok[-1] = int(self.input_len[i]) - (nb - 1) * self.block_tokens
+        return tok
+
+
+def load_mooncake_trace(path: str | Path, *, block_tokens: int = BLOCK_TOKENS) -> MooncakeTrace:
+    """Reads a Mooncake (FAST'25) JSONL trace; raises ``TraceError`` naming file and line.
+
+    Each line needs ``timestamp`` (ms, ≥ 0, non-decreasing), ``input_length`` (integer > 0),
+    ``output_length`` (integer ≥ 0) and ``hash_ids`` (one integer per ``block_tokens`` block of
+    the input). Blank lines are skipped.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise TraceError(f"trace file not found: {path}")
+    ids: dict[int, int] = {}
+    t_ms, n_in, n_out, blocks = [], [], [], []
+    with open(path) as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            t, i, o, h = _parse_mooncake_line(line, where=f"{path}:{lineno}", bt=block_tokens)
+            if t_ms and t < t_ms[-1]:
+                raise TraceError(
+                    f"{path}:{lineno}: timestamp {t} goes backwards (previous {t_ms[-1]})"
+                )
+            t_ms.append(t)
+            n_in.append(i)
+            n_out.append(o)
+            blocks.append(np.array([ids.setdefault(x, len(ids)) for x in h], np.int64))
+    if not blocks:
+        raise TraceError(f"{path}: trace has no requests")
+    return MooncakeTrace(
+        time_s=np.array(t_ms, np.float64) / 1e3,
+        input_len=np.array(n_in, np.int64),
+        output_len=np.array(n_out, np.int64),
+        blocks=tuple(blocks),
+        n_blocks=len(ids),
+        block_tokens=block_tokens,
+    )
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _parse_mooncake_line(line: str, *, where: str, bt: int):
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise TraceError(f"{where}: not valid JSON ({e.msg})") from None
+    if not isinstance(row, dict):
+        raise TraceError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    missing = [k for k in _FIELDS if k not in row]
+    if missing:
+        raise TraceError(f"{where}: missing field(s) {missing}")
+    t, n_in, n_out, h = (row[k] for k in _FIELDS)
+    if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or t < 0:
+        raise TraceError(f"{where}: 'timestamp' must be a finite number ≥ 0 (ms), got {t!r}")
+    if not _is_int(n_in) or n_in <= 0:
+        raise TraceError(f"{where}: 'input_length' must be an integer > 0, got {n_in!r}")
+    if not _is_int(n_out) or n_out < 0:
+        raise TraceError(f"{where}: 'output_length' must be an integer ≥ 0, got {n_out!r}")
+    if not isinstance(h, list) or not all(_is_int(x) for x in h):
+        raise TraceError(f"{where}: 'hash_ids' must be a list of integers")
+    if len(h) != -(-n_in // bt):
+        raise TraceError(
+            f"{where}: {len(h)} hash_ids for input_length {n_in} (expected {-(-n_in // bt)} "
+            f"blocks of {bt} tokens)"
+        )
+    return float(t), n_in, n_out, h
+
+
+def is_mooncake_file(path: str | Path) -> bool:
+    """Whether the first non-blank line of ``path`` looks like a Mooncake record."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.strip():
+                    return '"hash_ids"' in line
+    except OSError:
+        return False
+    return False
+
+
+def next_use(trace: MooncakeTrace) -> list[np.ndarray]:
+    """Per request, per block: index of the next request that contains the block (inf if none)."""
+    last: dict[int, int] = {}
+    out: list[np.ndarray] = [np.empty(0)] * len(trace)
+    for i in range(len(trace) - 1, -1, -1):
+        blk = trace.blocks[i]
+        out[i] = np.array([last.get(int(b), INF) for b in blk], np.float64)
+        for b in blk:
+            last[int(b)] = i
+    return out
+
+
+# ---- policies -------------------------------------------------------------------------------
+class BlockPolicy:
+    """A block-level policy: priorities for the cache's heap and an admission gate.
+
+    ``prio(b, i, j, now)`` is the priority of block ``b`` (position j of request i) when it is
+    touched at time ``now``; ``gate(b, i, j, now)`` returns ``(admit, min_victim)``.
+    """
+
+    name = "base"
+    leaf_only = True
+
+    def __init__(self, trace: MooncakeTrace, cost: CostModel):
+        self.clock = 0
+
+    def prio(self, b: int, i: int, j: int, now: float) -> tuple:
+        self.clock += 1
+        return (self.clock,)
+
+    def gate(self, b: int, i: int, j: int, now: float) -> tuple[bool, tuple | None]:
+        return True, None
+
+    def on_access(self, blocks, hit: int, i: int, now: float) -> None:
+        """Called once per request at lookup with its blocks and hit count."""
+
+
+class LRUPool(BlockPolicy):
+    name, leaf_only = "lru", False
+
+
+class Mooncake(BlockPolicy):
+    name = "mooncake"
+
+
+class LFU(BlockPolicy):
+    name = "lfu"
+
+    def __init__(self, trace, cost):
+        super().__init__(trace, cost)
+        self.count = np.zeros(trace.n_blocks, np.int64)
+
+    def on_access(self, blocks, hit, i, now):
+        self.count[blocks] += 1
+
+    def prio(self, b, i, j, now):
+        self.clock += 1
+        return (int(self.count[b]), self.clock)
+
+
+class Belady(BlockPolicy):
+    name = "belady"
+
+    def __init__(self, trace, cost):
+        super().__init__(trace, cost)
+        self.nu = next_use(trace)
+
+    def prio(self, b, i, j, now):
+        return (-self.nu[i][j],)
+
+    def gate(self, b, i, j, now):
+        nu = self.nu[i][j]
+        return nu < INF, (-nu,)
+
+
+def make_policy(name: str, trace: MooncakeTrace, cost: CostModel, **kw) -> BlockPolicy:
+    """Block policy by name (one of ``POLICIES``; ``no_cache`` is a zero-capacity Mooncake)."""
+    if name in ("no_cache", "mooncake"):
+        return Mooncake(trace, cost)
+    if name == "lru":
+        return LRUPool(trace, cost)
+    if name == "lfu":
+        return LFU(trace, cost)
+    if name == "belady":
+        return Belady(trace, cost)
+    if name == "kvlearn":
+        from jaxkv.kvlearn.block_kvlearn import BlockKVLearn
+
+        return BlockKVLearn(trace, cost, **kw)
+    raise ValueError(f"unknown policy {name!r}; choose from {POLICIES}")
+
+
+# ---- simulation -----------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ServingConfig:
+    """Deployment: prefill nodes, pool size in blocks, TTFT SLO for goodput."""
+
+    pool_blocks: int
+    prefill_nodes: int = 1
+    slo_ms: float = 30_000.0
+
+    def __post_init__(self):
+        if self.pool_blocks < 0:
+            raise ValueError(f"pool_blocks must be ≥ 0, got {self.pool_blocks}")
+        if self.prefill_nodes <= 0:
+            raise ValueError(f"prefill_nodes must be positive, got {self.prefill_nodes}")
+        if not self.slo_ms > 0:
+            raise ValueError(f"slo_ms must be positive, got {self.slo_ms}")
+
+
+def pool_blocks_for(pool_gib: float, cost: CostModel, block_tokens: int = BLOCK_TOKENS) -> int:
+    """Blocks of ``block_tokens`` tokens that fit in ``pool_gib`` GiB."""
+    return int(pool_gib * GIB // cost.footprint_bytes(block_tokens))
+
+
+def simulate(
+    trace: MooncakeTrace, policy: str, *, cfg: ServingConfig, cost: CostModel, **policy_kw
+) -> dict[str, np.ndarray]:
+    """Per-request records of one run: arrival_s, start_s, wait_ms, service_ms, ttft_ms,
+    hit_blocks, n_blocks, hit_tokens, input_tokens, admitted_tokens, plus scalars admits,
+    evictions, discards (computed blocks not admitted)."""
+    pol = make_policy(policy, trace, cost, **policy_kw)
+    cap = 0 if policy == "no_cache" else cfg.pool_blocks
+    cache = PrefixCache(cap, n_blocks=trace.n_blocks, leaf_only=pol.leaf_only)
+    n = len(trace)
+    rec = {k: np.zeros(n) for k in ("start_s", "wait_ms", "service_ms", "ttft_ms")}
+    rec |= {k: np.zeros(n, np.int64) for k in ("hit_blocks", "hit_tokens", "admitted_tokens")}
+    nodes = [0.0] * cfg.prefill_nodes  # heap of free times (s)
+    pending: list[tuple[float, int]] = []  # (finish time, request) whose suffix awaits the pool
+    counts = {"admits": 0, "discards": 0}
+    for i in range(n):
+        arrival = float(trace.time_s[i])
+        start = max(arrival, nodes[0])
+        while pending and pending[0][0] <= start:
+            _, k = heapq.heappop(pending)
+            _offer(cache, pol, trace, k, int(rec["hit_blocks"][k]), rec, counts)
+        blk = trace.blocks[i]
+        hit = cache.match(blk) if cap else 0
+        pol.on_access(blk, hit, i, start)
+        for j in range(hit):
+            cache.touch(int(blk[j]), pol.prio(int(blk[j]), i, j, start))
+        n_tok = int(trace.input_len[i])
+        c_tok = int(trace.block_tokens_of(i)[:hit].sum())
+        service = _service_ms(cost, n_tok, c_tok)
+        finish = start + service / 1e3
+        heapq.heapreplace(nodes, finish)
+        heapq.heappush(pending, (finish, i))
+        rec["start_s"][i], rec["service_ms"][i] = start, service
+        rec["wait_ms"][i] = (start - arrival) * 1e3
+        rec["ttft_ms"][i] = (
+            rec["wait_ms"][i] + service + cost.transfer_ms(cost.footprint_bytes(n_tok))
+        )
+        rec["hit_blocks"][i], rec["hit_tokens"][i] = hit, c_tok
+    while pending:
+        _, k = heapq.heappop(pending)
+        _offer(cache, pol, trace, k, int(rec["hit_blocks"][k]), rec, counts)
+    rec["arrival_s"] = trace.time_s.copy()
+    rec["n_blocks"] = np.array([len(b) for b in trace.blocks], np.int64)
+    rec["input_tokens"] = trace.input_len.astype(np.int64)
+    return rec | counts | {"evictions": cache.evictions}
+
+
+def _service_ms(cost: CostModel, n_tok: int, c_tok: int) -> float:
+    fetch = cost.transfer_ms(cost.footprint_bytes(c_tok))
+    return float(fetch + cost.recompute_ms(float(n_tok)) - cost.recompute_ms(float(c_tok)))
+
+
+def _offer(cache, pol, trace, i, hit, rec, counts) -> None:
+    """Offers request i's computed blocks (positions hit..) to the pool, in prefix order."""
+    blk, tok = trace.blocks[i], trace.block_tokens_of(i)
+    now = float(rec["start_s"][i] + rec["service_ms"][i] / 1e3)
+    parent = int(blk[hit - 1]) if hit else ROOT
+    for j in range(hit, len(blk)):
+        b = int(blk[j])
+        ok = cache.capacity > 0 and not (
+            cache.leaf_only and parent != ROOT and not cache.resident[parent]
+        )
+        if ok and not cache.resident[b]:
+            admit, min_victim = pol.gate(b, i, j, now)
+            ok = admit and cache.insert(b, parent, pol.prio(b, i, j, now), min_victim=min_victim)
+            if ok:
+                counts["admits"] += 1
+                rec["admitted_tokens"][i] += int(tok[j])
+        elif ok:
+            cache.touch(b, pol.prio(b, i, j, now))
+        if not ok:
+            counts["discards"] += len(blk) - j if cache.leaf_only else 1
+            if cache.leaf_only:
+                return
+        parent = b
+
+
+def summarize(policy: str, rec: dict, *, cost: CostModel, cfg: ServingConfig) -> dict:
+    """The core's metric schema (``simulate.metrics``) plus serving fields."""
+    ttft = rec["ttft_ms"]
+    n_tok = rec["input_tokens"].sum()
+    moved = rec["hit_tokens"].sum() + n_tok + rec["admitted_tokens"].sum()
+    span = float(rec["arrival_s"][-1] - rec["arrival_s"][0]) if len(ttft) > 1 else 0.0
+    good = int((ttft <= cfg.slo_ms).sum())
+    return {
+        "policy": policy,
+        "ttft_ms_mean": float(ttft.mean()),
+        "ttft_ms_p50": float(np.percentile(ttft, 50)),
+        "ttft_ms_p99": float(np.percentile(ttft, 99)),
+        "hit_rate": float(rec["hit_blocks"].sum() / rec["n_blocks"].sum()),
+        "byte_hit_rate": float(rec["hit_tokens"].sum() / n_tok),
+        "token_hit_rate": float(rec["hit_tokens"].sum() / n_tok),
+        "transfer_gib": float(cost.footprint_bytes(float(moved)) / GIB),
+        "admits": int(rec["admits"]),
+        "evictions": int(rec["evictions"]),
+        "discards": int(rec["discards"]),
+        "wait_ms_mean": float(rec["wait_ms"].mean()),
+        "slo_attainment": good / len(ttft),
+        "throughput_rps": good / span if span > 0 else float("nan"),
+    }
+
+
+def compare(
+    trace: MooncakeTrace,
+    *,
+    cfg: ServingConfig,
+    cost: CostModel,
+    policies=POLICIES,
+) -> list[dict]:
+    """Summary (plus ``wall_s``) of every policy on one trace."""
+    out = []
+    for p in policies:
+        t0 = time.perf_counter()
+        rec = simulate(trace, p, cfg=cfg, cost=cost)
+        out.append(summarize(p, rec, cost=cost, cfg=cfg) | {"wall_s": time.perf_counter() - t0})
+    return out

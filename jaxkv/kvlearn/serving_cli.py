@@ -1,0 +1,194 @@
+"""``python -m jaxkv.eval kvlearn --trace MOONCAKE.jsonl ...``: the serving-scale simulator.
+
+Chosen by ``cli.eval_main`` when the ``--trace`` file is in the Mooncake format (its first
+record has ``hash_ids``); the core's own JSONL format keeps going to the core simulator.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from jaxkv.kvlearn import serving as SV
+from jaxkv.kvlearn.cost import GIB, CostModel
+
+
+def add_arguments(p) -> None:
+    """The serving flags (ignored by the core simulator)."""
+    g = p.add_argument_group("serving (Mooncake traces given with --trace)")
+    g.add_argument(
+        "--pool-gib",
+        dest="serving_pool_gib",
+        metavar="GIB",
+        type=float,
+        default=None,
+        help="pool size in GiB",
+    )
+    g.add_argument(
+        "--pool-frac",
+        type=float,
+        default=None,
+        help="pool size as a fraction of the trace's distinct blocks (instead of --pool-gib)",
+    )
+    g.add_argument("--prefill-nodes", type=int, default=24, help="prefill nodes (default 24)")
+    g.add_argument(
+        "--load-scale", type=float, default=1.0, help="arrival-rate multiplier (default 1)"
+    )
+    g.add_argument("--slo-ms", type=float, default=30_000.0, help="TTFT SLO for throughput_rps")
+    g.add_argument(
+        "--loads", type=_floats, default=[0.5, 1.0, 1.5, 2.0], help="load scales (--sweep)"
+    )
+    g.add_argument(
+        "--fracs", type=_floats, default=[0.1, 0.25, 0.5], help="pool fractions (--sweep)"
+    )
+
+
+def _floats(s: str) -> list[float]:
+    return [float(x) for x in s.split(",") if x]
+
+
+def format_table(results: list[dict]) -> str:
+    head = (
+        f"{'policy':<10}{'TTFT mean':>11}{'p50':>10}{'p99':>11}{'blk hit %':>10}"
+        f"{'tok hit %':>10}{'xfer GiB':>10}{'wait ms':>10}{'rps@SLO':>9}{'sim s':>7}"
+    )
+    lines = [head, "-" * len(head)]
+    for m in results:
+        lines.append(
+            f"{m['policy']:<10}{m['ttft_ms_mean']:>11.1f}{m['ttft_ms_p50']:>10.1f}"
+            f"{m['ttft_ms_p99']:>11.1f}{100 * m['hit_rate']:>10.1f}"
+            f"{100 * m['token_hit_rate']:>10.1f}{m['transfer_gib']:>10.0f}"
+            f"{m['wait_ms_mean']:>10.1f}{m['throughput_rps']:>9.3f}{m['wall_s']:>7.2f}"
+        )
+    return "\n".join(lines)
+
+
+def _config(args, trace, cost: CostModel):
+    gib = args.serving_pool_gib if args.serving_pool_gib is not None else args.pool_gib
+    if gib is not None and args.pool_frac is not None:
+        raise ValueError("give at most one of --pool-gib and --pool-frac")
+    if args.pool_frac is not None:
+        if not 0 <= args.pool_frac:
+            raise ValueError(f"--pool-frac must be ≥ 0, got {args.pool_frac}")
+        blocks = int(args.pool_frac * trace.n_blocks)
+    else:
+        if gib is None or gib < 0:
+            raise ValueError("serving mode needs --pool-gib X (or --pool-frac F)")
+        blocks = SV.pool_blocks_for(gib, cost, trace.block_tokens)
+    return SV.ServingConfig(
+        pool_blocks=blocks, prefill_nodes=args.prefill_nodes, slo_ms=args.slo_ms
+    )
+
+
+def main(args, *, cost: CostModel) -> int:
+    base = SV.load_mooncake_trace(args.trace)
+    if args.n_requests is not None:
+        base = base.head(args.n_requests)
+    policies = args.policies or list(SV.POLICIES)
+    bad = [p for p in policies if p not in SV.POLICIES]
+    if bad:
+        raise ValueError(f"policies {bad} are not serving policies; choose from {SV.POLICIES}")
+    if args.sweep:
+        return _sweep(args, base, cost, policies)
+    trace = base.scaled(args.load_scale)
+    cfg = _config(args, trace, cost)
+    blk_gib = cost.footprint_bytes(trace.block_tokens) / GIB
+    print("KVLearn serving simulator (Mooncake trace, block-level prefix cache)")
+    print(
+        f"  trace={args.trace}  requests={len(trace)}  distinct_blocks={trace.n_blocks}  "
+        f"pool={cfg.pool_blocks} blocks ({cfg.pool_blocks * blk_gib:.1f} GiB, "
+        f"{100 * cfg.pool_blocks / trace.n_blocks:.1f} % of distinct)"
+    )
+    print(
+        f"  prefill_nodes={cfg.prefill_nodes}  load_scale={args.load_scale:g}  "
+        f"slo_ms={cfg.slo_ms:g}  model={cost.shape.name}\n"
+    )
+    results = SV.compare(trace, cfg=cfg, cost=cost, policies=policies)
+    print(format_table(results))
+    print("\n(TTFT and wait in ms; rps@SLO = requests meeting the TTFT SLO per second)")
+    if args.json:
+        config = {
+            "n_requests": len(trace),
+            "trace": args.trace,
+            "pool_gib": cfg.pool_blocks * blk_gib,
+            "pool_blocks": cfg.pool_blocks,
+            "distinct_blocks": trace.n_blocks,
+            "prefill_nodes": cfg.prefill_nodes,
+            "load_scale": args.load_scale,
+            "slo_ms": cfg.slo_ms,
+            "cost_preset": None if args.calibration else args.cost_preset,
+            "calibration": args.calibration,
+            "seed": args.seed,
+        }
+        _write_json(args.json, {"config": config, "results": results})
+    return 0
+
+
+def _sweep(args, base, cost, policies) -> int:
+    rows = []
+    t0 = time.perf_counter()
+    for frac in args.fracs:
+        cfg = SV.ServingConfig(
+            pool_blocks=int(frac * base.n_blocks),
+            prefill_nodes=args.prefill_nodes,
+            slo_ms=args.slo_ms,
+        )
+        for load in args.loads:
+            for r in SV.compare(base.scaled(load), cfg=cfg, cost=cost, policies=policies):
+                rows.append(r | {"pool_frac": frac, "load_scale": load})
+    print(f"serving sweep: {len(rows)} runs in {time.perf_counter() - t0:.1f} s")
+    for frac in args.fracs:
+        print(f"\npool {100 * frac:g} % of distinct blocks: mean TTFT (ms) per load scale")
+        print(f"{'policy':<10}" + "".join(f"{x:>11g}x" for x in args.loads))
+        for p in policies:
+            cells = {
+                r["load_scale"]: r for r in rows if r["policy"] == p and r["pool_frac"] == frac
+            }
+            print(f"{p:<10}" + "".join(f"{cells[x]['ttft_ms_mean']:>12.1f}" for x in args.loads))
+    plot_sweep(rows, path=args.plot, fracs=args.fracs, loads=args.loads, policies=policies)
+    print(f"plot: {args.plot}")
+    if args.json:
+        config = {"trace": args.trace, "fracs": args.fracs, "loads": args.loads}
+        _write_json(args.json, {"config": config | {"nodes": args.prefill_nodes}, "runs": rows})
+    return 0
+
+
+def plot_sweep(rows, *, path, fracs, loads, policies) -> None:
+    """Mean TTFT vs pool fraction (at load 1 or the first load) and vs load (largest pool)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    load0 = 1.0 if 1.0 in loads else loads[0]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    for p in policies:
+        rs = [r for r in rows if r["policy"] == p]
+        x = [f for f in fracs]
+        a1.plot(x, [_cell(rs, f, load0)["ttft_ms_mean"] for f in x], marker="o", label=p)
+        a2.plot(loads, [_cell(rs, fracs[-1], s)["ttft_ms_mean"] for s in loads], marker="o")
+    a1.set_xlabel("pool size (fraction of distinct blocks)")
+    a1.set_title(f"load scale {load0:g}")
+    a2.set_xlabel("load scale")
+    a2.set_title(f"pool {100 * fracs[-1]:g} % of distinct blocks")
+    for a in (a1, a2):
+        a.set_ylabel("mean TTFT (ms)")
+        a.set_yscale("log")
+        a.grid(alpha=0.3)
+    a1.legend(fontsize=8)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _cell(rows, frac, load):
+    return next(r for r in rows if r["pool_frac"] == frac and r["load_scale"] == load)
+
+
+def _write_json(path, obj) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2)
+    print(f"wrote {path}")
