@@ -1,0 +1,419 @@
+"""Generation benchmarks under compression: GSM8K, BIG-Bench Hard, LongBench (paper Table 1).
+
+One engine, ``run_generation``: examples are read lazily in batches; each batch is generated
+greedily with the full cache and then under every policy × ratio (× seed), every completion is
+scored, and the batch's records are saved before the next batch is read. A malformed line later
+in a file therefore stops the run with its line number while the finished examples stay on
+disk. Records keep the completion text and token count, so ``jaxkv.evals.agreement`` compares
+the same generations with the full cache's.
+
+* ``gsm8k``: 8-shot chain of thought, exact match of ``metrics.gsm8k_extract`` with the target.
+* ``bbh``: 3-shot chain of thought, ``metrics.bbh_match`` (``--tasks``, comma list).
+* ``longbench``: a LongBench-format JSONL file (``--data``), the official prompts, generation
+  lengths and metrics; prompts longer than ``--max-length`` tokens keep their first and last
+  halves (LongBench's ``truncate_middle``); the datasets LongBench runs with a chat template
+  get the model's.
+
+Scores are in [0, 1] per example; tables show 100 × the mean and the share of the full cache's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from jaxkv.evals import metrics, report, tasks
+from jaxkv.evals.runner import (
+    ByteTokenizer,
+    EvalModel,
+    PolicyGroup,
+    check_fits,
+    generate_ids,
+    strip_stop,
+    switch_compression,
+    switch_policy,
+    switch_state,
+)
+from jaxkv.evals.tasks import Example
+
+Scorer = Callable[[str, Example], float]
+FULL = "full"
+
+
+# ----------------------------------------------------------------------------------------------
+# Scoring
+
+
+def score_gsm8k(completion: str, example: Example) -> float:
+    """1.0 when the extracted final number equals the target."""
+    return float(metrics.gsm8k_extract(completion) == example.target)
+
+
+def score_bbh(completion: str, example: Example) -> float:
+    """BBH exact match after answer extraction."""
+    return metrics.bbh_match(completion, str(example.target))
+
+
+def score_longbench(completion: str, example: Example) -> float:
+    """The dataset's LongBench metric, max over the accepted answers."""
+    m = example.meta
+    return metrics.longbench_score(
+        completion,
+        list(example.target),
+        metric=m["metric"],
+        all_classes=m.get("all_classes", ()),
+        first_line_only=m.get("first_line_only", False),
+    )
+
+
+SCORERS: dict[str, Scorer] = {"gsm8k": score_gsm8k, "bbh": score_bbh, "longbench": score_longbench}
+
+
+def scorer_for(example: Example) -> Scorer:
+    """The scorer of an example's task (``meta["task"]`` prefix)."""
+    return SCORERS[example.meta["task"].split("/")[0]]
+
+
+# ----------------------------------------------------------------------------------------------
+# Prompts
+
+
+def prompt_ids(model: EvalModel, example: Example, *, max_length: int | None) -> list[int]:
+    """Token ids of an example's prompt: middle-truncated, chat-wrapped when asked for."""
+    ids = model.encode(example.prompt)
+    if max_length is not None and len(ids) > max_length:
+        ids = tasks.truncate_middle(ids, max_length)
+        if example.meta.get("chat_template"):
+            example_text = model.tokenizer.decode(ids, skip_special_tokens=True)
+            return _chat_ids(model, example_text)
+    if example.meta.get("chat_template"):
+        return _chat_ids(model, example.prompt)
+    return ids
+
+
+def _chat_ids(model: EvalModel, text: str) -> list[int]:
+    if isinstance(model.tokenizer, ByteTokenizer) or not getattr(
+        model.tokenizer, "chat_template", None
+    ):
+        return model.encode(text)
+    from jaxkv.generate import encode_prompt
+
+    return list(encode_prompt(model.tokenizer, text, chat=True))
+
+
+# ----------------------------------------------------------------------------------------------
+# The engine
+
+
+def _batches(examples: Iterable[Example], size: int) -> Iterator[list[Example]]:
+    it = iter(examples)
+    while batch := list(itertools.islice(it, size)):
+        yield batch
+
+
+def _generate_records(
+    model: EvalModel,
+    batch: Sequence[Example],
+    ids: Sequence[Sequence[int]],
+    *,
+    policy: str,
+    member: str,
+    ratio: float,
+    seed: int,
+    max_new_tokens: int,
+    **gen,
+) -> list[dict]:
+    outs = generate_ids(model, ids, max_new_tokens=max_new_tokens, seed=seed, **gen)
+    records = []
+    for example, prompt, out in zip(batch, ids, outs, strict=True):
+        text = model.decode(strip_stop(out, model.stop_tokens))
+        records.append(
+            {
+                "task": example.meta["task"],
+                "id": example.id,
+                "policy": policy,
+                "member": member,
+                "ratio": ratio,
+                "seed": seed,
+                "score": scorer_for(example)(text, example),
+                "completion": text,
+                "n_tokens": len(out),
+                "prompt_tokens": len(prompt),
+                "max_new_tokens": max_new_tokens,
+                "target": example.target,
+            }
+        )
+    return records
+
+
+def run_generation(
+    model: EvalModel,
+    groups: Sequence[PolicyGroup],
+    *,
+    examples: Iterable[Example],
+    ratios: Sequence[float],
+    seeds: Sequence[int],
+    store: report.ResultStore,
+    max_new_tokens: int | None = None,
+    max_length: int | None = None,
+    batch_size: int = 4,
+    min_budget: int = 32,
+    total: int | None = None,
+) -> list[dict]:
+    """Generates and scores every example under the full cache and each policy × ratio.
+
+    Args:
+        model: the model.
+        groups: policy groups (a ``full`` group adds nothing: the reference always runs).
+        examples: examples, read lazily ``batch_size`` at a time.
+        ratios: budget ratios.
+        seeds: seeds of seeded groups.
+        store: where records go, after every batch × cell.
+        max_new_tokens: generation limit (default: each example's ``meta["max_new_tokens"]``).
+        max_length: prompt tokens kept at most (middle truncation).
+        batch_size: prompts per generation call.
+        min_budget: B_min.
+        total: number of examples, for the progress bar (optional).
+
+    Returns:
+        The store's summarized rows.
+    """
+    members = [p for g in groups if not g.is_full for p in g.members]
+    runs = [(g, m, s) for g in groups if not g.is_full for m, s in g.runs(seeds)]
+    comps = {
+        r: switch_compression(switch_policy(members), ratio=r, min_budget=min_budget)
+        for r in (ratios if members else [])
+    }
+    n_cells = 1 + len(ratios) * len(runs)
+    bar_total = None if total is None else -(-total // batch_size) * n_cells
+    with report.progress(bar_total or 0, desc=store.name) as bar:
+        for batch in _batches(examples, batch_size):
+            ids = [prompt_ids(model, e, max_length=max_length) for e in batch]
+            new = max_new_tokens or max(e.meta["max_new_tokens"] for e in batch)
+            check_fits(model, max(map(len, ids)) + new, what=batch[0].id)
+            common = dict(max_new_tokens=new, batch_size=batch_size)
+            store.add(
+                _generate_records(
+                    model,
+                    batch,
+                    ids,
+                    policy=FULL,
+                    member=FULL,
+                    ratio=1.0,
+                    seed=seeds[0],
+                    compression=None,
+                    **common,
+                )
+            )
+            bar.update()
+            for ratio in comps:
+                for group, member, seed in runs:
+                    state = switch_state(members, members.index(member))
+                    store.add(
+                        _generate_records(
+                            model,
+                            batch,
+                            ids,
+                            policy=group.label,
+                            member=member.name,
+                            ratio=ratio,
+                            seed=seed,
+                            compression=comps[ratio],
+                            policy_state=state,
+                            **common,
+                        )
+                    )
+                    bar.update()
+    return store.results()
+
+
+# ----------------------------------------------------------------------------------------------
+# Tables
+
+
+def summarize(records: list[dict]) -> list[dict]:
+    """One row per (task, policy, ratio): mean score (mean ± std over seeds), share of full."""
+    full = {(r["task"], r["id"]): r["score"] for r in records if r["policy"] == FULL}
+    rows = []
+    for (task, policy, ratio), rs in report.group_by(records, ("task", "policy", "ratio")).items():
+        per_seed = report.group_by(rs, ("member", "seed"))
+        means = [float(np.mean([r["score"] for r in s])) for s in per_seed.values()]
+        mean, std = metrics.mean_std(means)
+        ids = {r["id"] for r in rs}
+        full_mean = float(np.mean([full[(task, i)] for i in ids if (task, i) in full] or [np.nan]))
+        rows.append(
+            {
+                "task": task,
+                "policy": policy,
+                "ratio": ratio,
+                "score": 100 * mean,
+                "score_std": 100 * std,
+                "score_full": 100 * full_mean,
+                "retained": mean / full_mean if full_mean > 0 else None,
+                "n_examples": len(ids),
+                "n_seeds": len(means),
+            }
+        )
+    return rows
+
+
+def render(rows: list[dict]) -> str:
+    """Markdown: score (100 × mean) per policy × ratio, one table per task."""
+    out = []
+    for (task,), rs in report.group_by(rows, ("task",)).items():
+        n = max(r["n_examples"] for r in rs)
+        table = report.pivot(
+            [r for r in rs if r["policy"] != FULL],
+            row_key="policy",
+            col_key="ratio",
+            cell=lambda r: report.fmt_pm(r["score"], r["score_std"], 1, n=r["n_seeds"]),
+            col_label=lambda c: f"r={c:g}",
+        )
+        full = next((r["score"] for r in rs if r["policy"] == FULL), float("nan"))
+        out.append(f"## {task} ({n} examples; full cache {full:.1f})\n\n{table}")
+    return "\n".join(out)
+
+
+def plot(rows: list[dict], out_dir: Path, *, name: str) -> list[Path]:
+    """Score vs ratio per policy, one PNG per task."""
+    paths = []
+    for (task,), rs in report.group_by(rows, ("task",)).items():
+        full = next((r["score"] for r in rs if r["policy"] == FULL), None)
+        series = {}
+        for (policy,), prs in report.group_by(rs, ("policy",)).items():
+            if policy == FULL:
+                continue
+            prs = sorted(prs, key=lambda r: r["ratio"])
+            series[policy] = ([r["ratio"] for r in prs], [r["score"] for r in prs], None)
+        if full is not None and series:
+            xs = sorted({x for s in series.values() for x in s[0]})
+            series["full cache"] = (xs, [full] * len(xs), None)
+        if series:
+            stem = task.replace("/", "_")
+            paths.append(
+                report.line_plot(
+                    series,
+                    out_dir / f"{name}_{stem}.png",
+                    xlabel="KV-cache budget ratio r",
+                    ylabel="score (100 × mean)",
+                    title=f"{task}: score vs budget",
+                )
+            )
+    return paths
+
+
+# ----------------------------------------------------------------------------------------------
+# Subcommands
+
+
+def add_parsers(sub, *, common) -> None:
+    """Adds ``gsm8k``, ``bbh`` and ``longbench`` to the suite's subparsers."""
+    gsm = sub.add_parser("gsm8k", help="GSM8K 8-shot chain of thought (exact match)")
+    common(gsm, ratios="0.5,0.25,0.125", policies="full,streaming_llm,h2o,snapkv", limit=20)
+    gsm.add_argument("--split", default="test", choices=("test", "train"))
+    gsm.add_argument("--shots", type=int, default=8, help="chain-of-thought exemplars")
+    gsm.add_argument("--max-new-tokens", type=int, default=None, help="default: 512")
+    gsm.set_defaults(func=_gsm8k_cmd)
+    bbh = sub.add_parser("bbh", help="BIG-Bench Hard 3-shot chain of thought (exact match)")
+    common(bbh, ratios="0.5,0.25,0.125", policies="full,streaming_llm,h2o,snapkv", limit=10)
+    bbh.add_argument("--tasks", default="date_understanding", help="comma list of BBH tasks")
+    bbh.add_argument("--max-new-tokens", type=int, default=None, help="default: 512")
+    bbh.set_defaults(func=_bbh_cmd)
+    lb = sub.add_parser("longbench", help="LongBench-format JSONL (official prompts/metrics)")
+    common(lb, ratios="0.5,0.25,0.125", policies="full,streaming_llm,h2o,snapkv", limit=None)
+    lb.add_argument("--data", required=True, action="append", help="JSONL file (repeatable)")
+    lb.add_argument("--dataset", default=None, help="dataset name (default: from file name)")
+    lb.add_argument("--config-dir", default=None, help="LongBench config folder")
+    lb.add_argument("--max-length", type=int, default=3500, help="prompt tokens kept at most")
+    lb.add_argument("--max-new-tokens", type=int, default=None, help="default: dataset's")
+    lb.set_defaults(func=_longbench_cmd)
+
+
+def _store(args, name: str, model: EvalModel, title: str, **config) -> report.ResultStore:
+    from jaxkv.evals.cli import common_config
+
+    return report.ResultStore(
+        args.out,
+        name,
+        model=model.name,
+        config=common_config(args, **config),
+        summarize=summarize,
+        render=render,
+        plot=lambda rows, out: plot(rows, out, name=name),
+        title=title,
+    )
+
+
+def _run_cmd(args, *, name, title, examples, total=None, max_length=None, **config) -> int:
+    from jaxkv.evals import runner
+    from jaxkv.evals.cli import _finish, _parse_common
+
+    groups, ratios, seeds = _parse_common(args)
+    model = runner.load_eval_model(args.model)
+    examples = examples(model)
+    store = _store(args, name, model, title, max_new_tokens=args.max_new_tokens, **config)
+    run_generation(
+        model,
+        groups,
+        examples=examples,
+        ratios=ratios,
+        seeds=seeds,
+        store=store,
+        max_new_tokens=args.max_new_tokens,
+        max_length=max_length,
+        batch_size=args.batch,
+        min_budget=args.min_budget,
+        total=total,
+    )
+    return _finish(store)
+
+
+def _gsm8k_cmd(args: argparse.Namespace) -> int:
+    examples = tasks.gsm8k_examples(args.split, n_shot=args.shots, limit=args.limit)
+    return _run_cmd(
+        args,
+        name="gsm8k",
+        title="GSM8K 8-shot CoT under KV compression (exact match, %)",
+        examples=lambda model: examples,
+        total=len(examples),
+        split=args.split,
+        shots=args.shots,
+    )
+
+
+def _bbh_cmd(args: argparse.Namespace) -> int:
+    names = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    examples = [e for t in names for e in tasks.bbh_examples(t, limit=args.limit)]
+    return _run_cmd(
+        args,
+        name="bbh",
+        title="BIG-Bench Hard 3-shot CoT under KV compression (exact match, %)",
+        examples=lambda model: examples,
+        total=len(examples),
+        tasks=names,
+    )
+
+
+def _longbench_cmd(args: argparse.Namespace) -> int:
+    def examples(model):
+        for path in args.data:
+            it = tasks.iter_longbench_examples(
+                path, dataset=args.dataset, config_dir=args.config_dir
+            )
+            yield from itertools.islice(it, args.limit)
+
+    for path in args.data:  # fail fast on a missing file or an unknown dataset
+        tasks.data_lib.require_file(path)
+        tasks.load_longbench_config(args.config_dir)
+    return _run_cmd(
+        args,
+        name="longbench",
+        title="LongBench under KV compression (official metrics, 100 × mean)",
+        examples=examples,
+        max_length=args.max_length,
+        data=args.data,
+    )

@@ -1,0 +1,254 @@
+"""Fidelity to the full cache under teacher forcing (paper Fig. 1).
+
+Held-out text is cut into token windows (``tasks.text_windows``). For each window the first
+``prompt_len`` tokens are prefilled (and evicted down to the budget), then the rest of the window
+is teacher-forced one token at a time with eviction after every step (``generate.teacher_forced``,
+as in generation). At each step the pruned cache's next-token distribution Q is compared with
+the full cache's P on the same prefix:
+
+* ``kl_mean``: mean over steps and windows of KL(P || Q) in nats (``metrics.kl_divergence``);
+* ``ppl``: perplexity of the continuation tokens under Q; ``ppl_full`` under P;
+  ``ppl_increase = ppl - ppl_full`` (absolute, as the paper's "+0.35");
+* ``top1_agreement``: share of steps where argmax Q = argmax P.
+
+``kl_std`` / ``ppl_std`` are standard deviations over seeds (the random policy's keys, a learned
+policy's checkpoints); a deterministic policy runs once (std 0, ``n_seeds = 1``);
+``kl_window_std`` is the spread of the per-window mean KL (the sampling noise of the text).
+
+The full-cache reference is the same teacher-forced loop without compression; with r = 1 the
+compressed loop reproduces it bit for bit, so those rows show KL = 0 exactly. The ``full``
+policy (which never evicts) is that reference and is reported without a second run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from jaxkv.evals import metrics, report
+from jaxkv.evals.runner import (
+    EvalModel,
+    PolicyGroup,
+    switch_compression,
+    switch_policy,
+    switch_state,
+)
+from jaxkv.eviction import Compression
+from jaxkv.generate import teacher_forced
+
+NAME = "fidelity"
+
+
+@dataclasses.dataclass(frozen=True)
+class FidelitySettings:
+    """How the text is cut and run.
+
+    Attributes:
+        prompt_len: tokens of each window prefilled before teacher forcing starts.
+        batch_size: windows per compiled call (the last batch is padded by repetition).
+        min_budget: B_min of every compression.
+    """
+
+    prompt_len: int = 256
+    batch_size: int = 4
+    min_budget: int = 32
+
+
+def stream_logits(
+    model: EvalModel,
+    windows_NT: np.ndarray,
+    *,
+    settings: FidelitySettings,
+    compression: Compression | None,
+    policy_state=None,
+    seed: int = 0,
+) -> np.ndarray:
+    """Teacher-forced logits [N, T - prompt_len, V] of every window, in fixed-size batches."""
+    n, b = len(windows_NT), min(settings.batch_size, len(windows_NT))
+    out = []
+    for start in range(0, n, b):
+        chunk = windows_NT[start : start + b]
+        real = len(chunk)
+        if real < b:  # keep one compiled shape: pad with copies of the last window
+            chunk = np.concatenate([chunk, np.repeat(chunk[-1:], b - real, axis=0)])
+        logits, _ = teacher_forced(
+            model.params,
+            chunk,
+            prompt_len=settings.prompt_len,
+            config=model.config,
+            compression=compression,
+            policy_state=policy_state,
+            key=jax.random.key(seed),
+        )
+        out.append(np.asarray(logits)[:real])
+    return np.concatenate(out)
+
+
+def _scores(ref_NSV: np.ndarray, logits_NSV: np.ndarray, targets_NS: np.ndarray) -> dict:
+    """Per-window KL, NLL and top-1 agreement of one pruned stream against the reference."""
+    kl = np.stack([metrics.kl_divergence(r, q) for r, q in zip(ref_NSV, logits_NSV, strict=True)])
+    nll = np.stack([metrics.token_nll(q, t) for q, t in zip(logits_NSV, targets_NS, strict=True)])
+    agree = np.argmax(ref_NSV, -1) == np.argmax(logits_NSV, -1)
+    return {
+        "kl_mean": float(kl.mean()),
+        "kl_max": float(kl.max()),
+        "kl_per_window": [float(x) for x in kl.mean(axis=1)],
+        "nll_mean": float(nll.mean()),
+        "ppl": metrics.perplexity(nll),
+        "top1_agreement": float(agree.mean()),
+    }
+
+
+def run(
+    model: EvalModel,
+    groups: Sequence[PolicyGroup],
+    *,
+    ratios: Sequence[float],
+    seeds: Sequence[int],
+    windows_NT: np.ndarray,
+    settings: FidelitySettings,
+    store: report.ResultStore,
+) -> list[dict]:
+    """Evaluates every policy group × ratio (× seed) and records each cell in ``store``.
+
+    Returns:
+        The summarized rows (``summarize``).
+    """
+    windows_NT = np.asarray(windows_NT, np.int32)
+    if not 0 < settings.prompt_len < windows_NT.shape[1]:
+        raise ValueError(
+            f"prompt_len must be in [1, {windows_NT.shape[1] - 1}] for windows of "
+            f"{windows_NT.shape[1]} tokens, got {settings.prompt_len}"
+        )
+    targets = windows_NT[:, settings.prompt_len :]
+    members = [p for g in groups if not g.is_full for p in g.members]
+    n_cells = len(ratios) * sum(1 if g.is_full else len(g.runs(seeds)) for g in groups)
+    with report.progress(n_cells + 1, desc=NAME) as bar:
+        ref = stream_logits(model, windows_NT, settings=settings, compression=None)
+        nll_ref = np.stack([metrics.token_nll(r, t) for r, t in zip(ref, targets, strict=True)])
+        ppl_full = metrics.perplexity(nll_ref)
+        bar.update()
+        for ratio in ratios:
+            comp = None
+            if members:
+                comp = switch_compression(
+                    switch_policy(members), ratio=ratio, min_budget=settings.min_budget
+                )
+            for group in groups:
+                for member, seed in [(None, seeds[0])] if group.is_full else group.runs(seeds):
+                    if member is None:
+                        cell = _scores(ref, ref, targets)
+                    else:
+                        state = switch_state(members, members.index(member))
+                        logits = stream_logits(
+                            model,
+                            windows_NT,
+                            settings=settings,
+                            compression=comp,
+                            policy_state=state,
+                            seed=seed,
+                        )
+                        cell = _scores(ref, logits, targets)
+                    store.add(
+                        {
+                            "policy": group.label,
+                            "member": group.label if member is None else member.name,
+                            "ratio": ratio,
+                            "seed": seed,
+                            "ppl_full": ppl_full,
+                            **cell,
+                        }
+                    )
+                    bar.update()
+    return store.results()
+
+
+def summarize(records: list[dict]) -> list[dict]:
+    """Records -> one row per (policy, ratio): means and stds over seeds."""
+    rows = []
+    for (policy, ratio), runs in report.group_by(records, ("policy", "ratio")).items():
+        kl_mean, kl_std = metrics.mean_std([r["kl_mean"] for r in runs])
+        ppl, ppl_std = metrics.mean_std([r["ppl"] for r in runs])
+        ppl_full = runs[0]["ppl_full"]
+        windows = np.mean([r["kl_per_window"] for r in runs], axis=0)
+        rows.append(
+            {
+                "policy": policy,
+                "ratio": ratio,
+                "kl_mean": kl_mean,
+                "kl_std": kl_std,
+                "ppl": ppl,
+                "ppl_full": ppl_full,
+                "ppl_increase": ppl - ppl_full,
+                "ppl_std": ppl_std,
+                "top1_agreement": float(np.mean([r["top1_agreement"] for r in runs])),
+                "kl_window_std": float(np.std(windows, ddof=1)) if windows.size > 1 else 0.0,
+                "n_seeds": len(runs),
+            }
+        )
+    return rows
+
+
+def render(rows: list[dict]) -> str:
+    """Markdown: KL and perplexity increase, policy × ratio."""
+    ratio_label = lambda r: f"r={r:g}"
+    kl = report.pivot(
+        rows,
+        row_key="policy",
+        col_key="ratio",
+        cell=lambda r: report.fmt_pm(r["kl_mean"], r["kl_std"], 4, n=r["n_seeds"]),
+        col_label=ratio_label,
+    )
+    dppl = report.pivot(
+        rows,
+        row_key="policy",
+        col_key="ratio",
+        cell=lambda r: report.fmt_pm(r["ppl_increase"], r["ppl_std"], 3, n=r["n_seeds"]),
+        col_label=ratio_label,
+    )
+    agree = report.pivot(
+        rows,
+        row_key="policy",
+        col_key="ratio",
+        cell=lambda r: f"{100 * r['top1_agreement']:.1f}",
+        col_label=ratio_label,
+    )
+    ppl_full = rows[0]["ppl_full"]
+    return (
+        "## Mean per-step KL(P_full || P_pruned) (nats; lower is better)\n\n"
+        f"{kl}\n## Perplexity increase over the full cache (full-cache ppl {ppl_full:.3f})\n\n"
+        f"{dppl}\n## Top-1 agreement with the full cache (%)\n\n{agree}"
+    )
+
+
+def plot(rows: list[dict], out_dir: Path) -> list[Path]:
+    """Fig. 1: perplexity increase vs ratio, and KL vs ratio."""
+    paths = []
+    for key, std, ylabel, logy, suffix in (
+        ("ppl_increase", "ppl_std", "perplexity increase over full cache", True, "ppl"),
+        ("kl_mean", "kl_std", "mean per-step KL(P_full || P_pruned) [nats]", True, "kl"),
+    ):
+        series = {}
+        for (policy,), rs in report.group_by(rows, ("policy",)).items():
+            rs = sorted(rs, key=lambda r: r["ratio"])
+            series[policy] = (
+                [r["ratio"] for r in rs],
+                [r[key] for r in rs],
+                [r[std] for r in rs] if any(r["n_seeds"] > 1 for r in rs) else None,
+            )
+        paths.append(
+            report.line_plot(
+                series,
+                out_dir / f"{NAME}_{suffix}.png",
+                xlabel="KV-cache budget ratio r",
+                ylabel=ylabel,
+                title=f"Fidelity vs budget ({ylabel.split(' [')[0]})",
+                logy=logy,
+                logx=True,
+            )
+        )
+    return paths

@@ -1,0 +1,336 @@
+"""Latency per decode step and throughput (paper Table 3), measured piece by piece.
+
+For each ratio a prompt batch of ``--context`` tokens is prefilled and evicted to the budget
+(the full cache keeps everything), giving the cache a decode step sees. Jitted pieces are then
+timed separately on that cache (medians over ``--repeats`` × ``STEPS_PER_REPEAT`` calls, after a
+warm-up call that compiles):
+
+* ``attn_ms``: one decode step (the whole model: projections, attention over the cache, MLP)
+  on a cache without statistics — what the step costs at that cache size;
+* ``feature_ms``: the same step with the in-attention statistics the policies read, minus
+  ``attn_ms`` (plus ``stats.features`` for learned policies, which build the 5 features);
+* ``policy_ms``: the policy's scoring plus the top-B selection and slot freeing
+  (``eviction.evict``, one eviction per step);
+* ``tokens_per_s``: end to end, ``batch × new_tokens`` / the wall time of ``generate_tokens``
+  (prefill, decoding, eviction, host transfer); ``decode_tokens_per_s`` leaves the prefill out.
+
+The full cache has no feature or policy cost. On a shared 2-core CPU timings vary up to 2×
+between runs: compare rows of one run, not across runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv import eviction, kvcache
+from jaxkv import stats as attn_stats
+from jaxkv.evals import report
+from jaxkv.evals.runner import (
+    EvalModel,
+    PolicyGroup,
+    generate_ids,
+    switch_compression,
+    switch_policy,
+    switch_state,
+)
+from jaxkv.eviction import Compression
+from jaxkv.generate import prefill_compressed
+from jaxkv.model import decoder
+
+NAME = "latency"
+STEPS_PER_REPEAT = 5
+
+
+def median_ms(fn: Callable[[], object], *, repeats: int, calls: int = STEPS_PER_REPEAT) -> float:
+    """Median wall time of ``fn()`` in ms (one warm-up call first; results are blocked on)."""
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        for _ in range(calls):
+            t = time.perf_counter()
+            jax.block_until_ready(fn())
+            times.append(time.perf_counter() - t)
+    return 1000 * statistics.median(times)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "compression", "capacity"))
+def _prefill(params, prompt_BT, cache, key, state, *, config, compression, capacity):
+    params = decoder.unstack_layers(params)
+    _, cache, _ = prefill_compressed(
+        params,
+        prompt_BT,
+        None,
+        cache,
+        config=config,
+        compression=compression,
+        policy_state=state,
+        key=key,
+        capacity=capacity,
+    )
+    return cache
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _decode(params, token_B, cache, *, config):
+    return decoder.decode_step(params, token_B, cache, config=config)
+
+
+@functools.partial(jax.jit, static_argnames=("compression",))
+def _evict(cache, state, key, *, compression):
+    return eviction.evict(cache, compression, state, key=key, max_drop=compression.evict_every)
+
+
+@jax.jit
+def _features(cache):
+    return attn_stats.features(cache)
+
+
+def prepared_cache(model: EvalModel, prompt_BT, *, compression, state, n_max: int):
+    """The cache after a jitted prefill + eviction (none for the full cache, which also carries
+    no statistics), with room for the next tokens."""
+    capacity = n_max if compression is None else compression.capacity(n_max)
+    cache = kvcache.init_cache(
+        model.config,
+        batch_size=prompt_BT.shape[0],
+        capacity=max(capacity, prompt_BT.shape[1]),
+        stats=compression is not None,
+    )
+    return _prefill(
+        model.params,
+        prompt_BT,
+        cache,
+        jax.random.key(0),
+        state,
+        config=model.config,
+        compression=compression,
+        capacity=capacity,
+    )
+
+
+def step_costs(params, cache, *, config, repeats: int) -> tuple[float, float]:
+    """(ms of a decode step without statistics, extra ms with them) on ``cache``.
+
+    ``params`` should be unstacked (``decoder.unstack_layers``), as the generation loop runs.
+    """
+    token = jnp.zeros((cache.batch_size,), jnp.int32)
+    step = lambda c: _decode(params, token, c, config=config)
+    bare = cache.replace(stats={})
+    plain = median_ms(lambda: step(bare), repeats=repeats)
+    if not cache.stats:
+        return plain, 0.0
+    return plain, max(median_ms(lambda: step(cache), repeats=repeats) - plain, 0.0)
+
+
+def prefill_ms(model: EvalModel, prompt_BT, *, compression, state, n_max: int) -> float:
+    """Median ms of prefill (+ eviction and compaction under compression)."""
+    fn = lambda: (
+        prepared_cache(model, prompt_BT, compression=compression, state=state, n_max=n_max).k
+    )
+    return median_ms(fn, repeats=1, calls=2)
+
+
+def policy_costs(
+    model: EvalModel, cache, member, *, ratio: float, min_budget: int, repeats: int
+) -> tuple[float, float]:
+    """(ms of one eviction with ``member`` alone, ms of building features if it reads them)."""
+    alone = Compression(policy=member, ratio=ratio, min_budget=min_budget)
+    state = member.init()
+    key = jax.random.key(1)
+    pol = median_ms(lambda: _evict(cache, state, key, compression=alone).pos, repeats=repeats)
+    feat = 0.0
+    if member.name.startswith("learned"):
+        feat = median_ms(lambda: _features(cache), repeats=repeats)
+    return pol, feat
+
+
+def end_to_end(
+    model: EvalModel, prompts: list[list[int]], *, new_tokens: int, repeats: int, **gen
+) -> float:
+    """Median seconds of one ``generate_tokens`` call (after a compiling warm-up)."""
+    run = lambda: generate_ids(
+        model, prompts, max_new_tokens=new_tokens, batch_size=len(prompts), **gen
+    )
+    run()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def run(
+    model: EvalModel,
+    groups: Sequence[PolicyGroup],
+    *,
+    ratios: Sequence[float],
+    prompt_BT: np.ndarray,
+    new_tokens: int,
+    repeats: int,
+    min_budget: int,
+    store: report.ResultStore,
+) -> list[dict]:
+    """Times the full cache once and every evicting policy at every ratio."""
+    B, T = prompt_BT.shape
+    n_max = T + new_tokens
+    prompts = [list(map(int, row)) for row in prompt_BT]
+    members = [p for g in groups if not g.is_full for p in g.members]
+    runs = [(g, m) for g in groups if not g.is_full for m in g.members]
+    prompt = jnp.asarray(prompt_BT)
+    params = decoder.unstack_layers(model.params)
+    with report.progress(1 + len(ratios) * (1 + len(runs)), desc=NAME) as bar:
+        cache = prepared_cache(model, prompt, compression=None, state=None, n_max=n_max)
+        attn, _ = step_costs(params, cache, config=model.config, repeats=repeats)
+        total = end_to_end(model, prompts, new_tokens=new_tokens, repeats=repeats, compression=None)
+        prefill = prefill_ms(model, prompt, compression=None, state=None, n_max=n_max)
+        store.add(_row("full", 1.0, n_max, attn, None, None, total, prefill, B, new_tokens))
+        bar.update()
+        for ratio in ratios:
+            comp = switch_compression(switch_policy(members), ratio=ratio, min_budget=min_budget)
+            state0 = switch_state(members, 0)
+            cache = prepared_cache(model, prompt, compression=comp, state=state0, n_max=n_max)
+            attn, stat_ms = step_costs(params, cache, config=model.config, repeats=repeats)
+            prefill = prefill_ms(model, prompt, compression=comp, state=state0, n_max=n_max)
+            bar.update()
+            for group, member in runs:
+                pol, feat = policy_costs(
+                    model, cache, member, ratio=ratio, min_budget=min_budget, repeats=repeats
+                )
+                total = end_to_end(
+                    model,
+                    prompts,
+                    new_tokens=new_tokens,
+                    repeats=repeats,
+                    compression=comp,
+                    policy_state=switch_state(members, members.index(member)),
+                )
+                cap = comp.capacity(n_max)
+                row = _row(
+                    group.label,
+                    ratio,
+                    cap,
+                    attn,
+                    stat_ms + feat,
+                    pol,
+                    total,
+                    prefill,
+                    B,
+                    new_tokens,
+                )
+                store.add(row)
+                bar.update()
+    return store.results()
+
+
+def _row(policy, ratio, capacity, attn, feat, pol, total_s, prefill_ms, B, new_tokens) -> dict:
+    decode_s = max(total_s - prefill_ms / 1000, 1e-9)
+    return {
+        "policy": policy,
+        "ratio": ratio,
+        "capacity": capacity,
+        "attn_ms": attn,
+        "feature_ms": feat,
+        "policy_ms": pol,
+        "prefill_ms": prefill_ms,
+        "tokens_per_s": B * new_tokens / total_s,
+        "decode_tokens_per_s": B * new_tokens / decode_s,
+    }
+
+
+def summarize(records: list[dict]) -> list[dict]:
+    """Records are already one per (policy, ratio)."""
+    return list(records)
+
+
+def render(rows: list[dict]) -> str:
+    """Markdown in the layout of the paper's Table 3."""
+    header = ["policy", "r", "slots", "attn ms", "feature ms", "policy ms", "prefill ms"]
+    header += ["tokens/s (e2e)", "decode tokens/s"]
+    body = [
+        [r["policy"], f"{r['ratio']:g}", r["capacity"], report.fmt(r["attn_ms"], 1)]
+        + [report.fmt(r["feature_ms"], 2), report.fmt(r["policy_ms"], 2)]
+        + [report.fmt(r["prefill_ms"], 0), report.fmt(r["tokens_per_s"], 2)]
+        + [report.fmt(r["decode_tokens_per_s"], 2)]
+        for r in rows
+    ]
+    return "Medians; ms per decode step.\n\n" + report.markdown_table(header, body)
+
+
+def plot(rows: list[dict], out_dir: Path) -> list[Path]:
+    """Stacked per-step cost (attention / features / policy) per policy and ratio."""
+    labels = [f"{r['policy']} r={r['ratio']:g}" for r in rows]
+    bars = {
+        "decode step (no stats)": [r["attn_ms"] for r in rows],
+        "statistics/features": [r["feature_ms"] or 0.0 for r in rows],
+        "policy + eviction": [r["policy_ms"] or 0.0 for r in rows],
+    }
+    return [
+        report.bar_plot(
+            labels,
+            bars,
+            out_dir / f"{NAME}.png",
+            ylabel="ms per decode step",
+            title="Per-step latency by component",
+            stacked=True,
+        )
+    ]
+
+
+def add_parsers(sub, *, common) -> None:
+    """Adds ``latency`` to the suite's subparsers."""
+    p = sub.add_parser(NAME, help="per-component decode latency and tokens/s (Table 3)")
+    common(p, ratios="0.25", policies="full,streaming_llm,h2o,snapkv,tova,knorm", limit=None)
+    p.add_argument("--context", type=int, default=1024, help="prompt tokens")
+    p.add_argument("--new-tokens", type=int, default=32, help="generated tokens (end to end)")
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats (medians)")
+    p.set_defaults(func=_latency_cmd, batch=1)
+
+
+def _latency_cmd(args: argparse.Namespace) -> int:
+    from jaxkv.evals import runner, tasks
+    from jaxkv.evals.cli import _finish, _parse_common, common_config
+
+    groups, ratios, _ = _parse_common(args)
+    if args.context < 1 or args.new_tokens < 1 or args.repeats < 1:
+        raise ValueError("--context, --new-tokens and --repeats must be >= 1")
+    model = runner.load_eval_model(args.model)
+    runner.check_fits(model, args.context + args.new_tokens, what="--context + --new-tokens")
+    prompt = tasks.text_windows(
+        window=args.context, n_windows=args.batch, tokenizer=model.tokenizer
+    )
+    store = report.ResultStore(
+        args.out,
+        NAME,
+        model=model.name,
+        config=common_config(
+            args,
+            context=args.context,
+            new_tokens=args.new_tokens,
+            batch=args.batch,
+            repeats=args.repeats,
+        ),
+        summarize=summarize,
+        render=render,
+        plot=plot,
+        title="Decode latency by component and throughput (paper Table 3)",
+    )
+    run(
+        model,
+        groups,
+        ratios=ratios,
+        prompt_BT=prompt,
+        new_tokens=args.new_tokens,
+        repeats=args.repeats,
+        min_budget=args.min_budget,
+        store=store,
+    )
+    return _finish(store)

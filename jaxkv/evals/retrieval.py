@@ -1,0 +1,168 @@
+"""Retrieval under compression: passkey and needle in a haystack (paper Table 2's axis).
+
+Seeded prompts from ``jaxkv.evals.tasks`` at several context lengths, completion style:
+
+* passkey: the classic "The grass is green..." filler, ending "The pass key is"
+  (full cache, embedded SmolLM2-135M: 6/6 at 1K and 2K tokens, 5/6 at 4K);
+* needle: a RULER-style "special magic number for {word}" needle in tinyshakespeare
+  (full cache: 6/6 at 1K, 2K and 4K).
+
+Greedy, 20 new tokens; an answer is correct when the key stands in its first non-empty line
+(``metrics.retrieval_match``). Accuracy per policy × ratio × length, mean ± std over seeds for
+the random policy. The generation engine is ``benchmarks.run_generation`` (same partial saving).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+from jaxkv.evals import benchmarks, metrics, report, tasks
+from jaxkv.evals.tasks import Example
+
+NAME = "retrieval"
+TASKS = ("passkey", "needle")
+
+
+def score_retrieval(completion: str, example: Example) -> float:
+    """1.0 when the key is in the completion's first non-empty line."""
+    return metrics.retrieval_match(completion, str(example.target))
+
+
+benchmarks.SCORERS.update({t: score_retrieval for t in TASKS})
+
+
+def examples(task: str, *, n_tokens: int, n: int, seed: int, tokenizer) -> list[Example]:
+    """``n`` seeded examples of ``task`` at ``n_tokens``, tagged ``task/n_tokens``.
+
+    Raises:
+        ValueError: unknown task (listing the valid ones).
+    """
+    if task == "passkey":
+        found = tasks.passkey_examples(n_tokens=n_tokens, n=n, seed=seed, tokenizer=tokenizer)
+    elif task == "needle":
+        found = tasks.needle_examples(n_tokens=n_tokens, n=n, seed=seed, tokenizer=tokenizer)
+    else:
+        raise ValueError(f"unknown retrieval task {task!r}; valid: {', '.join(TASKS)}")
+    return [
+        dataclasses.replace(e, meta={**e.meta, "task": f"{task}/{n_tokens}", "length": n_tokens})
+        for e in found
+    ]
+
+
+def render(rows: list[dict]) -> str:
+    """Markdown: accuracy (%) per policy (rows) × task/length (columns), one table per ratio."""
+    out = []
+    full = {r["task"]: r["score"] for r in rows if r["policy"] == benchmarks.FULL}
+    cols = sorted(full, key=lambda t: (t.split("/")[0], int(t.split("/")[1])))
+    header = ["policy"] + cols
+    out.append("## Full cache\n\n" + report.markdown_table(header, [["full"] + _cells(full, cols)]))
+    for (ratio,), rs in report.group_by(rows, ("ratio",)).items():
+        if all(r["policy"] == benchmarks.FULL for r in rs):
+            continue
+        body = []
+        for (policy,), prs in report.group_by(rs, ("policy",)).items():
+            by = {
+                r["task"]: report.fmt_pm(r["score"], r["score_std"], 1, n=r["n_seeds"]) for r in prs
+            }
+            body.append([policy] + [by.get(c, "-") for c in cols])
+        out.append(f"## r = {ratio:g}\n\n" + report.markdown_table(header, body))
+    return "Accuracy (%).\n\n" + "\n".join(out)
+
+
+def _cells(scores: dict, cols: list[str]) -> list[str]:
+    return [report.fmt(scores.get(c), 1) for c in cols]
+
+
+def plot(rows: list[dict], out_dir: Path) -> list[Path]:
+    """Accuracy vs context length per policy, one PNG per (task, ratio)."""
+    paths = []
+    compressed = [r for r in rows if r["policy"] != benchmarks.FULL]
+    full = [r for r in rows if r["policy"] == benchmarks.FULL]
+    for task in TASKS:
+        for (ratio,), rs in report.group_by(compressed, ("ratio",)).items():
+            series = {}
+            for (policy,), prs in report.group_by(rs, ("policy",)).items():
+                pts = sorted(
+                    (int(r["task"].split("/")[1]), r["score"], r["score_std"])
+                    for r in prs
+                    if r["task"].startswith(task + "/")
+                )
+                if pts:
+                    series[policy] = ([p[0] for p in pts], [p[1] for p in pts], [p[2] for p in pts])
+            ref = sorted(
+                (int(r["task"].split("/")[1]), r["score"])
+                for r in full
+                if r["task"].startswith(task + "/")
+            )
+            if ref:
+                series["full cache"] = ([p[0] for p in ref], [p[1] for p in ref], None)
+            if series:
+                paths.append(
+                    report.line_plot(
+                        series,
+                        out_dir / f"{NAME}_{task}_r{ratio:g}.png",
+                        xlabel="context length (tokens)",
+                        ylabel="accuracy (%)",
+                        title=f"{task} retrieval at r = {ratio:g}",
+                        invert_x=False,
+                    )
+                )
+    return paths
+
+
+def add_parsers(sub, *, common) -> None:
+    """Adds ``retrieval`` to the suite's subparsers."""
+    p = sub.add_parser(NAME, help="passkey / needle retrieval vs context length (Table 2)")
+    common(p, ratios="0.5,0.25,0.125", policies="full,streaming_llm,h2o,snapkv,tova", limit=6)
+    p.add_argument("--tasks", default="passkey,needle", help="comma list: passkey, needle")
+    p.add_argument("--lengths", default="1024,2048", help="context lengths in tokens")
+    p.add_argument("--data-seed", type=int, default=0, help="seed of keys, depths and filler")
+    p.set_defaults(func=_retrieval_cmd, batch=6)
+
+
+def _retrieval_cmd(args: argparse.Namespace) -> int:
+    from jaxkv.evals import runner
+    from jaxkv.evals.cli import _finish, _parse_common, common_config
+
+    groups, ratios, seeds = _parse_common(args)
+    names = runner.parse_list(args.tasks, kind=str, what="--tasks")
+    lengths = runner.parse_list(args.lengths, kind=int, what="--lengths")
+    for name in names:
+        if name not in TASKS:
+            raise ValueError(f"unknown retrieval task {name!r}; valid: {', '.join(TASKS)}")
+    model = runner.load_eval_model(args.model)
+    for n_tokens in lengths:
+        runner.check_fits(model, n_tokens + 64 + tasks.RETRIEVAL_MAX_NEW_TOKENS, what="--lengths")
+    store = report.ResultStore(
+        args.out,
+        NAME,
+        model=model.name,
+        config=common_config(args, tasks=names, lengths=lengths, data_seed=args.data_seed),
+        summarize=benchmarks.summarize,
+        render=render,
+        plot=plot,
+        title="Retrieval accuracy under KV compression (passkey / needle)",
+    )
+    for name in names:
+        for n_tokens in lengths:
+            batch = examples(
+                name,
+                n_tokens=n_tokens,
+                n=args.limit,
+                seed=args.data_seed,
+                tokenizer=model.tokenizer,
+            )
+            benchmarks.run_generation(
+                model,
+                groups,
+                examples=batch,
+                ratios=ratios,
+                seeds=seeds,
+                store=store,
+                batch_size=args.batch,
+                min_budget=args.min_budget,
+                total=len(batch),
+            )
+    return _finish(store)

@@ -1,0 +1,318 @@
+"""The evaluation suite end to end on the tiny model (random weights, byte tokenizer).
+
+Shapes and policy lists are shared between tests so that jit compiles each program once.
+"""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from jaxkv.evals import cli, fidelity, report, runner
+from jaxkv.eviction import Compression
+from jaxkv.generate import generate_tokens, teacher_forced
+from jaxkv.policies.base import get_policy
+from jaxkv.policies.learned import init_mlp, learned_policy
+
+HEURISTICS = "random,streaming_llm,h2o,snapkv,tova,keydiff,knorm"
+TINY = ["--model", "tiny", "--min-budget", "8", "--batch", "2"]
+WINDOWS = ["--window", "96", "--prompt-len", "64"]
+GEN = [*TINY, "--policies", "full,random,h2o", "--ratios", "0.5", "--seeds", "0,1"]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return runner.load_eval_model("tiny")
+
+
+def _run(args, tmp_path, capsys=None):
+    status = cli.main([*args, "--out", str(tmp_path)])
+    return status
+
+
+def _load(tmp_path, name):
+    doc = json.loads((tmp_path / f"{name}.json").read_text())
+    assert doc["model"] == "tiny"
+    assert (tmp_path / f"{name}.md").read_text().startswith("# ")
+    return doc
+
+
+# ----------------------------------------------------------------------------------------------
+# The switch policy: one compiled program for several policies, same results as each alone
+
+
+def test_switch_policy_reproduces_each_member_alone(model):
+    members = [get_policy("random"), learned_policy(init_mlp(key=jax.random.key(2)))]
+    switch = runner.switch_policy(members)
+    tokens = jax.random.randint(jax.random.key(1), (2, 80), 1, 256)
+    comp = runner.switch_compression(switch, ratio=0.3, min_budget=8)
+    for i, member in enumerate(members):
+        got, _ = teacher_forced(
+            model.params,
+            tokens,
+            prompt_len=40,
+            config=model.config,
+            compression=comp,
+            policy_state=runner.switch_state(members, i),
+            key=jax.random.key(3),
+        )
+        alone = Compression(policy=member, ratio=0.3, min_budget=8)
+        want, _ = teacher_forced(
+            model.params,
+            tokens,
+            prompt_len=40,
+            config=model.config,
+            compression=alone,
+            key=jax.random.key(3),
+        )
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    prompts = [list(range(1, 50)), list(range(9, 30))]
+    got = generate_tokens(
+        model.params,
+        prompts,
+        config=model.config,
+        max_new_tokens=6,
+        compression=comp,
+        policy_state=runner.switch_state(members, 0),
+    )
+    alone = Compression(policy=members[0], ratio=0.3, min_budget=8)
+    assert got == generate_tokens(
+        model.params, prompts, config=model.config, max_new_tokens=6, compression=alone
+    )
+
+
+def test_switch_policy_rejects_full_and_parse_errors_are_clear():
+    with pytest.raises(ValueError, match="never evicts"):
+        runner.switch_policy([get_policy("full")])
+    with pytest.raises(ValueError, match="unknown policy 'nope'"):
+        runner.parse_policies("h2o,nope")
+    with pytest.raises(ValueError, match=r"\(0, 1\]"):
+        runner.parse_ratios("0.5,1.5")
+    with pytest.raises(ValueError, match="twice"):
+        runner.parse_policies("h2o,h2o")
+    groups = runner.parse_policies("full,random,h2o")
+    assert [g.is_full for g in groups] == [True, False, False]
+    assert len(groups[1].runs([0, 1, 2])) == 3 and len(groups[2].runs([0, 1, 2])) == 1
+
+
+# ----------------------------------------------------------------------------------------------
+# fidelity
+
+
+def test_fidelity_end_to_end_and_ratio_one_is_the_full_cache_exactly(tmp_path):
+    args = ["fidelity", *TINY, *WINDOWS, "--limit", "2", "--ratios", "1,0.5"]
+    args += ["--policies", "full," + HEURISTICS, "--seeds", "0,1"]
+    assert _run(args, tmp_path) == 0
+    doc = _load(tmp_path, "fidelity")
+    assert doc["complete"] is True
+    rows = doc["results"]
+    assert {(r["policy"], r["ratio"]) for r in rows} == {
+        (p, r) for p in ["full", *HEURISTICS.split(",")] for r in (1.0, 0.5)
+    }
+    keys = {"policy", "ratio", "kl_mean", "kl_std", "ppl", "ppl_full", "ppl_increase"}
+    for row in rows:
+        assert keys <= set(row)
+        if row["ratio"] == 1.0:
+            assert row["kl_mean"] == 0.0 and row["kl_std"] == 0.0
+            assert row["ppl"] == row["ppl_full"] and row["ppl_increase"] == 0.0
+        elif row["policy"] != "full":
+            assert row["kl_mean"] > 0.0
+    random_half = next(r for r in rows if r["policy"] == "random" and r["ratio"] == 0.5)
+    assert random_half["n_seeds"] == 2 and random_half["kl_std"] > 0.0
+    assert (tmp_path / "fidelity_ppl.png").stat().st_size > 0
+    assert (tmp_path / "fidelity_kl.png").stat().st_size > 0
+
+
+def test_learned_checkpoint_seeds_give_mean_and_std(model, tmp_path):
+    seeds = tuple(
+        learned_policy(init_mlp(key=jax.random.key(k)), name=f"l{k}", spec=(k,)) for k in (0, 1)
+    )
+    store = report.ResultStore(
+        tmp_path,
+        "fid",
+        model="tiny",
+        config={},
+        summarize=fidelity.summarize,
+        render=fidelity.render,
+    )
+    windows = np.asarray(jax.random.randint(jax.random.key(0), (2, 96), 1, 256))
+    rows = fidelity.run(
+        model,
+        [runner.PolicyGroup("learned", seeds)],
+        ratios=[0.5],
+        seeds=[0],
+        windows_NT=windows,
+        settings=fidelity.FidelitySettings(prompt_len=64, batch_size=2, min_budget=8),
+        store=store,
+    )
+    assert rows[0]["n_seeds"] == 2 and rows[0]["kl_std"] > 0
+
+
+def test_partial_results_are_kept_when_a_run_stops(tmp_path, monkeypatch):
+    calls = []
+    real = fidelity._scores
+
+    def failing(*a):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*a)
+
+    monkeypatch.setattr(fidelity, "_scores", failing)
+    args = ["fidelity", *TINY, *WINDOWS, "--limit", "2", "--ratios", "0.5"]
+    assert _run([*args, "--policies", "full,h2o,snapkv,tova"], tmp_path) == 130
+    doc = json.loads((tmp_path / "fidelity.json").read_text())
+    assert doc["complete"] is False
+    assert [r["policy"] for r in doc["records"]] == ["full", "h2o"]
+    assert "Partial results" in (tmp_path / "fidelity.md").read_text()
+
+
+# ----------------------------------------------------------------------------------------------
+# positions, latency
+
+
+def test_positions_end_to_end(tmp_path):
+    args = ["positions", *TINY, *WINDOWS, "--limit", "2", "--ratios", "0.5", "--seeds", "0"]
+    assert _run([*args, "--policies", HEURISTICS], tmp_path) == 0
+    rows = _load(tmp_path, "positions")["results"]
+    by = {r["policy"]: r for r in rows}
+    assert set(by) == set(HEURISTICS.split(","))
+    for r in rows:
+        assert np.isclose(np.sum(r["density"]) / len(r["density"]), 1.0)
+        assert np.isclose(r["first_10pct"] + r["middle_80pct"] + r["last_10pct"], 1.0)
+        assert r["kept_per_row"] == 47  # floor(0.5 * 95 tokens fed: the last one predicts nothing)
+    assert by["streaming_llm"]["last_10pct"] > by["random"]["last_10pct"]
+    assert (tmp_path / "positions_r0.5.png").exists()
+
+
+def test_latency_end_to_end(tmp_path):
+    args = ["latency", "--model", "tiny", "--context", "64", "--new-tokens", "4"]
+    args += ["--repeats", "1", "--ratios", "0.5", "--policies", "full,h2o", "--limit", "2"]
+    assert _run(args, tmp_path) == 0
+    rows = _load(tmp_path, "latency")["results"]
+    assert [r["policy"] for r in rows] == ["full", "h2o"]
+    assert rows[0]["feature_ms"] is None and rows[1]["policy_ms"] > 0
+    assert all(r["attn_ms"] > 0 and r["tokens_per_s"] > 0 for r in rows)
+    assert rows[1]["capacity"] < rows[0]["capacity"]
+
+
+# ----------------------------------------------------------------------------------------------
+# generation tasks
+
+
+def test_retrieval_end_to_end(tmp_path):
+    args = ["retrieval", *GEN, "--limit", "2", "--lengths", "512", "--tasks", "passkey,needle"]
+    assert _run(args, tmp_path) == 0
+    rows = _load(tmp_path, "retrieval")["results"]
+    tasks = {r["task"] for r in rows}
+    assert tasks == {"passkey/512", "needle/512"}
+    random_row = next(r for r in rows if r["policy"] == "random")
+    assert random_row["n_seeds"] == 2 and random_row["n_examples"] == 2
+    assert all(0 <= r["score"] <= 100 for r in rows)
+
+
+def test_gsm8k_and_agreement_end_to_end(tmp_path):
+    args = ["gsm8k", *GEN, "--limit", "2", "--shots", "1", "--max-new-tokens", "8"]
+    assert _run(args, tmp_path) == 0
+    doc = _load(tmp_path, "gsm8k")
+    assert {(r["policy"], r["ratio"]) for r in doc["results"]} == {
+        ("full", 1.0),
+        ("random", 0.5),
+        ("h2o", 0.5),
+    }
+    assert all(r["n_tokens"] <= 8 for r in doc["records"])
+    args = ["agreement", *GEN, "--task", "bbh/sports_understanding", "--limit", "2"]
+    assert _run([*args, "--max-new-tokens", "8"], tmp_path) == 0
+    rows = _load(tmp_path, "agreement")["results"]
+    assert {r["policy"] for r in rows} == {"random", "h2o"}
+    for r in rows:
+        assert 0 <= r["rouge_l"] <= 1 and 0 <= r["exact_match"] <= 1 and r["length_ratio"] > 0
+
+
+def test_bbh_end_to_end(tmp_path):
+    args = ["bbh", *GEN, "--tasks", "sports_understanding", "--limit", "2"]
+    assert _run([*args, "--max-new-tokens", "8"], tmp_path) == 0
+    rows = _load(tmp_path, "bbh")["results"]
+    assert {r["task"] for r in rows} == {"bbh/sports_understanding"}
+
+
+def _longbench_line(i, context="The capital of France is Paris. " * 4):
+    return json.dumps(
+        {
+            "_id": f"q{i}",
+            "input": "What is the capital of France?",
+            "context": context,
+            "answers": ["Paris"],
+            "length": 30,
+            "all_classes": None,
+        }
+    )
+
+
+def test_longbench_end_to_end_and_malformed_line_keeps_partial_results(tmp_path, capsys):
+    good = tmp_path / "hotpotqa.jsonl"
+    good.write_text("\n".join(_longbench_line(i) for i in range(2)) + "\n")
+    args = ["longbench", *GEN, "--data", str(good), "--max-new-tokens", "8", "--batch", "1"]
+    assert _run(args, tmp_path / "ok") == 0
+    rows = _load(tmp_path / "ok", "longbench")["results"]
+    assert {r["task"] for r in rows} == {"longbench/hotpotqa"}
+    assert all(r["n_examples"] == 2 for r in rows)
+
+    bad = tmp_path / "bad" / "hotpotqa.jsonl"
+    bad.parent.mkdir()
+    bad.write_text(_longbench_line(0) + "\n{not json\n")
+    args = ["longbench", *GEN, "--data", str(bad), "--max-new-tokens", "8", "--batch", "1"]
+    assert _run(args, tmp_path / "bad_out") == 2
+    err = capsys.readouterr().err
+    assert f"{bad}:2: malformed JSON line" in err and "kept in" in err
+    doc = json.loads((tmp_path / "bad_out" / "longbench.json").read_text())
+    assert doc["complete"] is False
+    assert {r["id"] for r in doc["records"]} == {"q0"} and len(doc["records"]) == 4
+
+
+# ----------------------------------------------------------------------------------------------
+# bad input
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["fidelity", "--text", "/nonexistent/text.txt"], "data file not found: /nonexistent"),
+        (["bbh", "--tasks", "no_such_task"], "unknown BBH task 'no_such_task'"),
+        (["retrieval", "--tasks", "passkey,haystack"], "unknown retrieval task 'haystack'"),
+        (["agreement", "--task", "trivia"], "unknown agreement task 'trivia'"),
+        (["longbench", "--data", "/nonexistent.jsonl"], "data file not found"),
+        (["fidelity", "--policies", "h2o,bogus"], "unknown policy 'bogus'"),
+        (["fidelity", "--policies", "learned:/nonexistent/ckpt"], "learned"),
+        (["fidelity", "--ratios", "0"], "--ratios must lie in (0, 1]"),
+    ],
+)
+def test_bad_input_gives_a_clear_error(args, message, tmp_path, capsys):
+    assert _run([*args, "--model", "tiny"], tmp_path) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err
+
+
+def test_empty_text_is_a_clear_error(tmp_path, capsys):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    assert _run(["fidelity", "--model", "tiny", "--text", str(empty)], tmp_path) == 2
+    assert "the text is empty" in capsys.readouterr().err
+
+
+def test_default_job_and_subcommands():
+    assert set(cli.SUBCOMMANDS) == {
+        "fidelity",
+        "retrieval",
+        "gsm8k",
+        "bbh",
+        "longbench",
+        "agreement",
+        "positions",
+        "latency",
+    }
+    args = cli.build_parser().parse_args(cli.DEFAULT_JOB)
+    assert args.command == "fidelity" and args.ratios == "0.5,0.25,0.125"
+    assert args.model == "smollm2-135m"
+    assert set(args.policies.split(",")) == {"full", *HEURISTICS.split(",")}
