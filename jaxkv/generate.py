@@ -185,7 +185,6 @@ def _generate_jit(
     compression,
     capacity,
 ):
-    params = decoder.unstack_layers(params)  # slice the weights once, not at every step
     prefill_key, loop_key, evict_key = jax.random.split(key, 3)
     logits, cache, keep_rows = prefill_compressed(
         params,
@@ -417,7 +416,6 @@ def generate(
 def _teacher_forced_jit(
     params, tokens_BT, cache, key, policy_state, *, config, prompt_len, compression, capacity
 ):
-    params = decoder.unstack_layers(params)
     prefill_key, evict_key = jax.random.split(key)
     logits, cache, keep_rows = prefill_compressed(
         params,

@@ -47,7 +47,7 @@ def jax_prefill(model, batch, n_tokens, reps):
     cfg = model.config
     toks = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, n_tokens)))
     fn = jax.jit(lambda p, t, c: decoder.prefill(p, t, c, config=cfg)[0])
-    params = decoder.unstack_layers(model.params)
+    params = model.params
 
     def run():
         cache = kvcache.init_cache(cfg, batch_size=batch, capacity=n_tokens)
@@ -69,7 +69,7 @@ def jax_decode(model, batch, ctx, steps):
     )
     step = jax.jit(lambda p, t, c: decoder.decode_step(p, t, c, config=cfg), donate_argnums=2)
     tok = jnp.zeros((batch,), jnp.int32)
-    params = decoder.unstack_layers(model.params)  # as the generation loop does
+    params = model.params
     t0 = time.perf_counter()
     logits, cache = step(params, tok, cache)
     logits.block_until_ready()

@@ -73,7 +73,7 @@ def main():
     ap.add_argument("--policy", default="h2o")
     args = ap.parse_args()
     model = jaxkv.load("smollm2-135m")
-    cfg, params = model.config, decoder.unstack_layers(model.params)
+    cfg, params = model.config, model.params
     n_max = args.context + args.steps
     tok = jnp.zeros((args.batch,), jnp.int32)
 

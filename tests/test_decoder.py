@@ -30,15 +30,6 @@ def test_prefill_then_decode_equals_forward_at_every_position(window):
     np.testing.assert_array_equal(cache.length, [14, 14])
 
 
-def test_unstacked_params_give_identical_logits():
-    toks = jax.random.randint(jax.random.key(7), (1, 9), 0, CFG.vocab_size)
-    unstacked = decoder.unstack_layers(PARAMS)
-    assert isinstance(unstacked["layers"], tuple) and len(unstacked["layers"]) == CFG.n_layers
-    np.testing.assert_array_equal(
-        decoder.forward(unstacked, toks, config=CFG), decoder.forward(PARAMS, toks, config=CFG)
-    )
-
-
 def test_extend_chunk_equals_forward():
     toks = jax.random.randint(jax.random.key(2), (1, 12), 0, CFG.vocab_size)
     full = decoder.forward(PARAMS, toks, config=CFG)

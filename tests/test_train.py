@@ -17,7 +17,6 @@ from jaxkv.checkpoint import load_policy, save_policy
 from jaxkv.config import ModelConfig
 from jaxkv.eviction import Compression
 from jaxkv.generate import generate_tokens
-from jaxkv.model import decoder
 from jaxkv.model.params import init_params
 from jaxkv.policies.base import get_policy
 from jaxkv.policies.learned import count, init_mlp, learned_policy, scores_from_features
@@ -34,7 +33,7 @@ from jaxkv.rl.step import init_state, train_step
 
 REPO = Path(__file__).resolve().parents[1]
 LM_CFG = ModelConfig.tiny()
-LM = decoder.unstack_layers(init_params(LM_CFG, key=jax.random.key(0), scale=0.2))
+LM = init_params(LM_CFG, key=jax.random.key(0), scale=0.2)
 TINY = dict(
     model="tiny",
     prompt_len=16,
@@ -211,7 +210,7 @@ DP_SCRIPT = textwrap.dedent(
     from jaxkv.rl.step import init_state, train_step
 
     cfg_m = ModelConfig.tiny()
-    lm = decoder.unstack_layers(init_params(cfg_m, key=jax.random.key(0), scale=0.2))
+    lm = init_params(cfg_m, key=jax.random.key(0), scale=0.2)
     cfg = TrainConfig(model="tiny", prompt_len=16, decode_steps=8, min_budget=4, rollouts=8,
                       warmup_steps=1, steps=4, data_parallel=8)
     tokens = jax.random.randint(jax.random.key(2), (cfg.stream_len,), 0, 256)

@@ -64,7 +64,6 @@ def median_ms(fn: Callable[[], object], *, repeats: int, calls: int = STEPS_PER_
 
 @functools.partial(jax.jit, static_argnames=("config", "compression", "capacity"))
 def _prefill(params, prompt_BT, cache, key, state, *, config, compression, capacity):
-    params = decoder.unstack_layers(params)
     _, cache, _ = prefill_compressed(
         params,
         prompt_BT,
@@ -117,10 +116,7 @@ def prepared_cache(model: EvalModel, prompt_BT, *, compression, state, n_max: in
 
 
 def step_costs(params, cache, *, config, repeats: int) -> tuple[float, float]:
-    """(ms of a decode step without statistics, extra ms with them) on ``cache``.
-
-    ``params`` should be unstacked (``decoder.unstack_layers``), as the generation loop runs.
-    """
+    """(ms of a decode step without statistics, extra ms with them) on ``cache``."""
     token = jnp.zeros((cache.batch_size,), jnp.int32)
     step = lambda c: _decode(params, token, c, config=config)
     bare = cache.replace(stats={})
@@ -186,7 +182,7 @@ def run(
     members = [p for g in groups if not g.is_full for p in g.members]
     runs = [(g, m) for g in groups if not g.is_full for m in g.members]
     prompt = jnp.asarray(prompt_BT)
-    params = decoder.unstack_layers(model.params)
+    params = model.params
     with report.progress(1 + len(ratios) * (1 + len(runs)), desc=NAME) as bar:
         cache = prepared_cache(model, prompt, compression=None, state=None, n_max=n_max)
         attn, _ = step_costs(params, cache, config=model.config, repeats=repeats)

@@ -7,9 +7,10 @@ Three functions, no modes:
 * ``extend(params, tokens, cache)`` / ``decode_step(params, token, cache)``: new tokens that
   attend to everything in the cache plus themselves.
 
-The layer loop is a Python loop inside jit (unrolled): on this 2-core CPU it decoded faster
-than ``lax.scan`` carrying the cache. Params may be stacked (canonical) or unstacked by
-``unstack_layers``, which loops should do once before they start (see its docstring).
+The layer loop is a ``lax.scan`` over the stacked layer weights, with each layer's cache
+slices as scan inputs. Measured on this 2-core CPU, against a Python loop unrolled inside jit
+(which slices layer i out of the stacked weights and cache, and XLA copies those slices at
+every call): decode at 4K context 61 vs 166 ms/token, batch 8 x 1K 124 vs 298 ms/token.
 """
 
 from __future__ import annotations
@@ -24,27 +25,6 @@ from jaxkv.kvcache import KVCache
 from jaxkv.model import layers
 
 PREFILL_BLOCK = 256
-
-
-def unstack_layers(params: dict) -> dict:
-    """Params with ``layers`` as a tuple of per-layer dicts instead of stacked arrays.
-
-    Every decoder function accepts both forms. Inside a jitted step, slicing layer i out of a
-    stacked weight copies it (all weights, every call: decode ran ~3x slower on this CPU), so
-    loops unstack once before they start: the slices are then made once, outside the loop.
-    """
-    layers_ = params["layers"]
-    if isinstance(layers_, tuple):
-        return params
-    n = next(iter(layers_.values())).shape[0]
-    return {**params, "layers": tuple({k: w[i] for k, w in layers_.items()} for i in range(n))}
-
-
-def _layer(params: dict, i: int) -> dict:
-    layers_ = params["layers"]
-    if isinstance(layers_, tuple):
-        return layers_[i]
-    return {name: w[i] for name, w in layers_.items()}
 
 
 def _project_qkv(lp: dict, x_BTD, pos_BT, config: ModelConfig):
@@ -97,10 +77,8 @@ def _self_attention_stack(params, tokens_BT, pos_BT, config: ModelConfig, *, sta
         ``stat_window``) the statistics of the new slots ({name: [L, B, K, T]}), else None.
     """
     weights = None if stat_window is None else attn_stats.query_weights(pos_BT, stat_window)
-    x = _embed(params, tokens_BT, config)
-    ks, vs, per_layer = [], [], []
-    for i in range(config.n_layers):
-        lp = _layer(params, i)
+
+    def layer(x, lp):
         q, k, v = _project_qkv(lp, x, pos_BT, config)
         attn, st = layers.causal_block_attention(
             q,
@@ -111,13 +89,13 @@ def _self_attention_stack(params, tokens_BT, pos_BT, config: ModelConfig, *, sta
             block=PREFILL_BLOCK,
             stat_weights_BT3=weights,
         )
-        x = _finish_layer(lp, x, attn, config)
-        ks.append(k)
-        vs.append(v)
-        if st is not None:
-            per_layer.append({**st, "vnorm": attn_stats.value_norms(v)})
-    new_stats = attn_stats.stack_layers(per_layer) if per_layer else None
-    return x, jnp.stack(ks), jnp.stack(vs), new_stats
+        st = None if st is None else {**st, "vnorm": attn_stats.value_norms(v)}
+        return _finish_layer(lp, x, attn, config), (k, v, st)
+
+    x, (ks, vs, new_stats) = jax.lax.scan(
+        layer, _embed(params, tokens_BT, config), params["layers"]
+    )
+    return x, ks, vs, new_stats
 
 
 def forward(params: dict, tokens_BT: jax.Array, *, config: ModelConfig, lengths_B=None):
@@ -157,13 +135,12 @@ def prefill(
     return _guard(_logits(params, x_BD, config), cache), cache
 
 
-def _cached_attention(q, k_new, v_new, pos_BT, cache: KVCache, i: int, config: ModelConfig):
-    """Attention of new queries over layer i's cache slots plus the new tokens.
+def _cached_attention(q, k_new, v_new, pos_BT, ck, cv, cpos, config: ModelConfig):
+    """Attention of new queries over one layer's cache slots plus the new tokens.
 
     Returns:
         The output [B, K, G, T, H] and the probabilities [B, K, G, T, C + T].
     """
-    ck, cv, cpos = cache.k[i], cache.v[i], cache.pos[i]
     s = jnp.concatenate([layers.scores(q, ck), layers.scores(q, k_new)], axis=-1)
     q_pos = pos_BT[:, None, None, :, None]
     K, G, T = q.shape[1:4]
@@ -196,31 +173,27 @@ def extend(
     pos_BT = cache.length[:, None] + jnp.arange(T, dtype=jnp.int32)
     weights = attn_stats.query_weights(pos_BT, cache.window) if cache.stats else None
     C = cache.capacity
-    x = _embed(params, tokens_BT, config)
-    ks, vs, old_st, new_st = [], [], [], []
-    for i in range(config.n_layers):
-        lp = _layer(params, i)
+
+    def layer(x, xs):
+        lp, ck, cv, cpos = xs
         q, k, v = _project_qkv(lp, x, pos_BT, config)
-        attn, p = _cached_attention(q, k, v, pos_BT, cache, i, config)
+        attn, p = _cached_attention(q, k, v, pos_BT, ck, cv, cpos, config)
         x = _finish_layer(lp, x, attn, config)
-        ks.append(k)
-        vs.append(v)
-        if weights is not None:
-            st = attn_stats.contributions(p, weights)
-            old_st.append({n: a[..., :C] for n, a in st.items()})
-            new_st.append(
-                {**{n: a[..., C:] for n, a in st.items()}, "vnorm": attn_stats.value_norms(v)}
-            )
+        if weights is None:
+            return x, (k, v, None, None)
+        st = attn_stats.contributions(p, weights)
+        old = {n: a[..., :C] for n, a in st.items()}
+        new = {**{n: a[..., C:] for n, a in st.items()}, "vnorm": attn_stats.value_norms(v)}
+        return x, (k, v, old, new)
+
+    xs = (params["layers"], cache.k, cache.v, cache.pos)
+    x, (ks, vs, old_stats, new_stats) = jax.lax.scan(layer, _embed(params, tokens_BT, config), xs)
     if weights is not None:
         merged = attn_stats.merge(
-            cache.stats,
-            attn_stats.stack_layers(old_st),
-            n_queries_B=jnp.full((x.shape[0],), T),
-            window=cache.window,
+            cache.stats, old_stats, n_queries_B=jnp.full((x.shape[0],), T), window=cache.window
         )
         cache = cache.replace(stats=merged)
-    new_stats = attn_stats.stack_layers(new_st) if new_st else None
-    cache = kvcache.append(cache, jnp.stack(ks), jnp.stack(vs), pos_BT, new_stats)
+    cache = kvcache.append(cache, ks, vs, pos_BT, new_stats)
     return _guard(_logits(params, x, config), cache), cache
 
 

@@ -23,7 +23,6 @@ from tqdm import tqdm
 from jaxkv import sharding
 from jaxkv.checkpoint import TrainCheckpoints, save_policy
 from jaxkv.config import ModelConfig
-from jaxkv.model import decoder
 from jaxkv.model.params import init_params
 from jaxkv.policies.learned import count, init_mlp
 from jaxkv.rl.config import TrainConfig
@@ -51,12 +50,12 @@ def _keys(cfg: TrainConfig, step: int, mesh):
     return jax.device_put(keys, NamedSharding(mesh, PartitionSpec("data")))
 
 
-def _teacher_stream(lm_params, window, cfg: TrainConfig, config):
+def _teacher_stream(params, window, cfg: TrainConfig, config):
     """Prompt from the data, continuation from the full-cache model's greedy decoding."""
     from jaxkv.generate import generate_tokens
 
     prompt = window[: cfg.prompt_len].tolist()
-    (cont,) = generate_tokens(lm_params, [prompt], config=config, max_new_tokens=cfg.decode_steps)
+    (cont,) = generate_tokens(params, [prompt], config=config, max_new_tokens=cfg.decode_steps)
     cont = (cont + [0] * cfg.decode_steps)[: cfg.decode_steps]
     return np.asarray(prompt + cont, np.int32)
 
@@ -86,7 +85,6 @@ def run(cfg: TrainConfig, workdir: Path, *, stop_after: int | None = None) -> Tr
     """Trains (or resumes) in ``workdir``; returns the final state."""
     _check_workdir(workdir, cfg)
     config, params, tokenizer = load_lm(cfg.model)
-    lm_params = decoder.unstack_layers(params)
     corpora = build_corpora(tokenizer, dataset=cfg.dataset)
     mesh = sharding.make_mesh(data=cfg.data_parallel) if cfg.data_parallel > 1 else None
     ckpts = TrainCheckpoints(workdir)
@@ -105,10 +103,10 @@ def run(cfg: TrainConfig, workdir: Path, *, stop_after: int | None = None) -> Tr
             for step in bar:
                 window = stream_for_step(corpora, step=step, seed=cfg.seed, length=cfg.stream_len)
                 if cfg.stream == "teacher":
-                    window = _teacher_stream(lm_params, window, cfg, config)
+                    window = _teacher_stream(params, window, cfg, config)
                 t0 = time.perf_counter()
                 state, metrics = train_step(
-                    lm_params, state, window, _keys(cfg, step, mesh), cfg=cfg, config=config
+                    params, state, window, _keys(cfg, step, mesh), cfg=cfg, config=config
                 )
                 row = {
                     "step": step,

@@ -60,7 +60,7 @@ def train_step(
     """Rollouts on one stream, then one policy-gradient update.
 
     Args:
-        lm_params: language-model params (frozen; unstacked layers are fastest).
+        lm_params: language-model params (frozen).
         state: the training state.
         tokens_T: the token stream (prompt + continuation), length ``cfg.stream_len``.
         keys_K: one PRNG key per rollout (shard over a ``data`` mesh axis for data
