@@ -15,6 +15,7 @@ import argparse
 import sys
 import time
 
+from jaxkv.evals.cli import SUBCOMMANDS
 from jaxkv.eviction import Compression
 from jaxkv.policies.base import GRANULARITIES, policy_names
 
@@ -92,22 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     _add_compression_args(gen)
     gen.set_defaults(func=_generate_cmd)
-    for name in EVAL_SUITE:
+    for name in SUBCOMMANDS:
         sub.add_parser(name, help=f"evaluation: {name} (see: {name} --help)", add_help=False)
     sub.add_parser("kvlearn", help="KVLearn pool simulator (see: kvlearn --help)", add_help=False)
     return parser
-
-
-EVAL_SUITE = (
-    "fidelity",
-    "retrieval",
-    "gsm8k",
-    "bbh",
-    "longbench",
-    "agreement",
-    "positions",
-    "latency",
-)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         from jaxkv.kvlearn.cli import eval_main
 
         return eval_main(argv[1:])
-    if not argv or argv[0] in EVAL_SUITE:
+    if not argv or argv[0] in SUBCOMMANDS:
         from jaxkv.evals.cli import main as suite_main
 
         return suite_main(argv)
