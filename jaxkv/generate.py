@@ -287,14 +287,15 @@ def _run_cache(config, batch, n_max, prompt_len, compression, policy_state):
     """(loop capacity, prefill cache, policy state) of a run of ``n_max`` tokens: the
     prefill cache holds the whole prompt, the loop cache the compressed capacity."""
     capacity = n_max if compression is None else compression.capacity(n_max)
+    evicts = compression is not None and compression.policy.evicts
     if compression is not None and policy_state is None:
         policy_state = compression.policy.init()
     cache = kvcache.init_cache(
         config,
         batch_size=batch,
         capacity=max(capacity, prompt_len),
-        stats=compression is not None,
-        window=compression.policy.window if compression is not None else 64,
+        stats=evicts,  # only an evicting policy reads the statistics
+        window=compression.policy.window if evicts else 64,
     )
     return capacity, cache, policy_state
 
