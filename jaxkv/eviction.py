@@ -77,6 +77,14 @@ class Compression:
         """Builds from a policy name (``get_policy``) or a Policy."""
         return cls(policy=get_policy(policy) if isinstance(policy, str) else policy, **kwargs)
 
+    @property
+    def stats(self) -> tuple[str, ...]:
+        """The cache statistics this compression reads (the cache carries only these)."""
+        if not self.policy.evicts:
+            return ()
+        extra = ("attn_cum",) if self.full_heads else ()  # ``hybrid_full_rows``
+        return kvcache.stat_names(self.policy.stats + extra)
+
     def budget_for(self, n_tokens):
         """B_t for N_t tokens seen (int or array)."""
         if self.budget is not None:

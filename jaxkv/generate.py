@@ -294,7 +294,7 @@ def _run_cache(config, batch, n_max, prompt_len, compression, policy_state):
         config,
         batch_size=batch,
         capacity=max(capacity, prompt_len),
-        stats=evicts,  # only an evicting policy reads the statistics
+        stats=() if compression is None else compression.stats,
         window=compression.policy.window if evicts else 64,
     )
     return capacity, cache, policy_state

@@ -77,7 +77,7 @@ def init_cache(
     batch_size: int,
     capacity: int,
     dtype=None,
-    stats: bool = False,
+    stats: bool | tuple[str, ...] = False,
     window: int = 64,
 ) -> KVCache:
     """An empty cache with ``capacity`` slots for ``batch_size`` sequences.
@@ -87,13 +87,16 @@ def init_cache(
         batch_size: sequences.
         capacity: slots per (layer, sequence, KV head).
         dtype: key/value dtype (default: the model's).
-        stats: carry the attention statistics that eviction policies read.
+        stats: the attention statistics to carry (names from ``STAT_NAMES``, e.g. a
+            policy's ``stats``), True for all of them, False for none. The decoder computes
+            only the statistics a cache carries.
         window: time constant of the ``recent`` statistics, in queries.
     """
     if batch_size < 1 or capacity < 1:
         raise ValueError(f"batch_size and capacity must be >= 1, got {batch_size}, {capacity}")
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
+    names = stat_names(stats)
     dtype = dtype or config.jnp_dtype
     L, K, H = config.n_layers, config.n_kv_heads, config.head_dim
     shape = (L, batch_size, K, capacity)
@@ -101,11 +104,21 @@ def init_cache(
         k=jnp.zeros((*shape, H), dtype),
         v=jnp.zeros((*shape, H), dtype),
         pos=jnp.full(shape, FREE, jnp.int32),
-        stats={n: jnp.zeros(shape, jnp.float32) for n in STAT_NAMES} if stats else {},
+        stats={n: jnp.zeros(shape, jnp.float32) for n in names},
         length=jnp.zeros((batch_size,), jnp.int32),
         overflow=jnp.zeros((), bool),
         window=window,
     )
+
+
+def stat_names(stats: bool | tuple[str, ...]) -> tuple[str, ...]:
+    """The statistic names that ``init_cache(stats=...)`` means, in ``STAT_NAMES`` order."""
+    if isinstance(stats, bool):
+        return STAT_NAMES if stats else ()
+    unknown = sorted(set(stats) - set(STAT_NAMES))
+    if unknown:
+        raise ValueError(f"unknown cache statistics {unknown}; valid: {list(STAT_NAMES)}")
+    return tuple(n for n in STAT_NAMES if n in stats)
 
 
 def _is_concrete(x) -> bool:

@@ -22,8 +22,12 @@ import math
 import jax
 import jax.numpy as jnp
 
-# Order of the query-weight channels.
-_FINAL, _VALID, _RECENT = 0, 1, 2
+from jaxkv.kvcache import STAT_NAMES
+
+# Order of the query-weight channels; channel 3 is the recent weight times the entropy.
+_FINAL, _VALID, _RECENT, _RECENT_ENT = 0, 1, 2, 3
+_CHANNEL = {"attn": _FINAL, "attn_sq": _FINAL, "attn_cum": _VALID, "recent": _RECENT}
+_CHANNEL["recent_ent"] = _RECENT_ENT
 
 
 def decay(window: int) -> float:
@@ -41,40 +45,56 @@ def query_weights(pos_BT: jax.Array, window: int) -> jax.Array:
     return jnp.stack([final.astype(jnp.float32), valid.astype(jnp.float32), recent], axis=-1)
 
 
-def contributions(p_BKGTS: jax.Array, w_BT3: jax.Array) -> dict:
-    """Each statistic's contribution ([B, K, S]) from one pass's attention probabilities."""
+def entropy(p_BKGTS: jax.Array) -> jax.Array:
+    """H(a_q) = -sum_j a_q(j) log a_q(j) of every query's attention row, [B, K, G, T]."""
+    return -jnp.sum(
+        jnp.where(p_BKGTS > 0, p_BKGTS * jnp.log(jnp.where(p_BKGTS > 0, p_BKGTS, 1.0)), 0.0),
+        axis=-1,
+    )
+
+
+def contributions(p_BKGTS: jax.Array, w_BT3: jax.Array, names=STAT_NAMES) -> dict:
+    """The contribution ([B, K, S]) of one pass's attention probabilities to each statistic
+    in ``names`` (``vnorm`` is not an attention statistic and is skipped). Only the
+    requested statistics are computed; the entropy only for ``recent_ent``."""
+    names = [n for n in names if n in _CHANNEL]
+    if not names:
+        return {}
     p = p_BKGTS.astype(jnp.float32)
-    ent_BKGT = -jnp.sum(jnp.where(p > 0, p * jnp.log(jnp.where(p > 0, p, 1.0)), 0.0), axis=-1)
+    channels = sorted({_CHANNEL[n] for n in names})
     w = jnp.broadcast_to(w_BT3[:, None, None], (*p.shape[:4], 3))
-    w_BKGT4 = jnp.concatenate([w, w[..., _RECENT:] * ent_BKGT[..., None]], axis=-1)
+    cols = [w[..., _RECENT] * entropy(p) if c == _RECENT_ENT else w[..., c] for c in channels]
+    w_BKGTJ = jnp.stack(cols, axis=-1)
     if p.shape[3] == 1:  # decode: a broadcast product, much cheaper on CPU than a tiny dot
-        m_BKGS4 = p[:, :, :, 0, :, None] * w_BKGT4[:, :, :, 0, None, :]
+        m_BKGSJ = p[:, :, :, 0, :, None] * w_BKGTJ[:, :, :, 0, None, :]
     else:
-        m_BKGS4 = jnp.einsum("bkgts,bkgtj->bkgsj", p, w_BKGT4)
-    return {
-        "attn": jnp.mean(m_BKGS4[..., _FINAL], axis=2),
-        "attn_sq": jnp.mean(m_BKGS4[..., _FINAL] ** 2, axis=2),
-        "attn_cum": jnp.mean(m_BKGS4[..., _VALID], axis=2),
-        "recent": jnp.mean(m_BKGS4[..., _RECENT], axis=2),
-        "recent_ent": jnp.mean(m_BKGS4[..., 3], axis=2),
-    }
+        m_BKGSJ = jnp.einsum("bkgts,bkgtj->bkgsj", p, w_BKGTJ)
+    out = {}
+    for n in names:
+        m = m_BKGSJ[..., channels.index(_CHANNEL[n])]
+        out[n] = jnp.mean(m**2 if n == "attn_sq" else m, axis=2)
+    return out
 
 
 def merge(old: dict, new: dict, *, n_queries_B: jax.Array, window: int) -> dict:
     """Statistics of cached slots after a pass of ``n_queries_B`` real queries.
 
-    ``old`` and ``new`` map names to [..., B, K, C] arrays (``vnorm`` is carried over).
+    ``old`` maps the cache's statistic names to [..., B, K, C] arrays, ``new`` the pass's
+    contributions (``vnorm`` is carried over).
     """
     lam = decay(window) ** n_queries_B.astype(jnp.float32)
     lam = lam[:, None, None]
-    return {
-        "attn": new["attn"],
-        "attn_sq": new["attn_sq"],
-        "attn_cum": old["attn_cum"] + new["attn_cum"],
-        "recent": lam * old["recent"] + new["recent"],
-        "recent_ent": lam * old["recent_ent"] + new["recent_ent"],
-        "vnorm": old["vnorm"],
-    }
+    merged = {}
+    for n, a in old.items():
+        if n in ("attn", "attn_sq"):
+            merged[n] = new[n]
+        elif n == "attn_cum":
+            merged[n] = a + new[n]
+        elif n in ("recent", "recent_ent"):
+            merged[n] = lam * a + new[n]
+        else:
+            merged[n] = a
+    return merged
 
 
 def value_norms(v_BKTH: jax.Array) -> jax.Array:
@@ -87,6 +107,8 @@ def stack_layers(per_layer: list[dict]) -> dict:
 
 
 FEATURE_NAMES = ("alpha", "vnorm", "sigma", "entropy", "pos")
+# The cache statistics ``features`` reads.
+FEATURE_STATS = ("attn", "attn_sq", "recent", "recent_ent", "vnorm")
 
 
 def features(cache) -> jax.Array:

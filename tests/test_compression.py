@@ -1,5 +1,7 @@
 """The compression engine: statistics, policies, budgets, eviction, compressed generation."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +15,7 @@ from jaxkv.generate import DecodeState, Sampling, decode_loop, generate_tokens, 
 from jaxkv.model import decoder
 from jaxkv.model.params import init_params
 from jaxkv.policies.base import Policy, get_policy, policy_names
+from jaxkv.policies.learned import init_mlp, learned_policy
 
 CFG = ModelConfig.tiny()
 PARAMS = init_params(CFG, key=jax.random.key(0), scale=0.2)
@@ -55,6 +58,25 @@ def test_every_policy_compresses_a_ragged_batch_under_jit(name):
     out = generate_tokens(PARAMS, prompts, config=CFG, max_new_tokens=6, compression=comp)
     assert [len(o) for o in out] == [6, 6]
     assert all(0 <= t < CFG.vocab_size for o in out for t in o)
+
+
+@pytest.mark.parametrize("name", [*HEURISTICS, "learned"])
+def test_a_cache_with_only_the_statistics_a_policy_reads_evicts_the_same(name):
+    policy = (
+        learned_policy(init_mlp(key=jax.random.key(3))) if name == "learned" else get_policy(name)
+    )
+    every = dataclasses.replace(policy, stats=kvcache.STAT_NAMES)
+    runs = []
+    for p in (policy, every):
+        comp = Compression(policy=p, ratio=0.25, min_budget=4)
+        runs.append(teacher_forced(PARAMS, TOKENS, prompt_len=20, config=CFG, compression=comp))
+    (lean_logits, lean), (all_logits, full) = runs
+    assert set(lean.stats) == set(policy.stats)
+    assert set(full.stats) == set(kvcache.STAT_NAMES)
+    np.testing.assert_array_equal(np.asarray(lean.pos), np.asarray(full.pos))
+    np.testing.assert_array_equal(np.asarray(lean_logits), np.asarray(all_logits))
+    for n in lean.stats:
+        np.testing.assert_array_equal(np.asarray(lean.stats[n]), np.asarray(full.stats[n]))
 
 
 def test_budget_follows_tokens_seen_and_the_cache_really_shrinks():
@@ -244,3 +266,7 @@ def test_invalid_settings_raise_clear_errors():
     with pytest.raises(ValueError, match="hybrid"):
         Compression.make("h2o", ratio=0.5, full_heads=0.2)
     assert "learned:<checkpoint>" in policy_names()
+    with pytest.raises(ValueError, match=r"unknown cache statistics \['attention'\]; valid"):
+        kvcache.init_cache(CFG, batch_size=1, capacity=4, stats=("attention",))
+    with pytest.raises(ValueError, match=r"unknown cache statistics \['attention'\]; valid"):
+        Policy("mine", score=lambda *a, **k: None, stats=("attention",))

@@ -101,7 +101,7 @@ def prepared_cache(model: EvalModel, prompt_BT, *, compression, state, n_max: in
         model.config,
         batch_size=prompt_BT.shape[0],
         capacity=max(capacity, prompt_BT.shape[1]),
-        stats=compression is not None,
+        stats=() if compression is None else compression.stats,
     )
     return _prefill(
         model.params,

@@ -268,6 +268,7 @@ def switch_policy(members: Sequence[Policy], *, granularity: str = "shared") -> 
         init=lambda: switch_state(members, 0),
         granularities=("head",),
         window=windows.pop(),
+        stats=tuple(sorted({n for p in members for n in p.stats})),
         spec=(("members", tuple((p.name, p.spec) for p in members)), ("g", granularity)),
     )
 

@@ -69,12 +69,15 @@ def prompt_positions(tokens_BT: jax.Array, lengths_B: jax.Array | None) -> jax.A
     return jnp.where(t < lengths_B[:, None], t, -1)
 
 
-def _self_attention_stack(params, tokens_BT, pos_BT, config: ModelConfig, *, stat_window=None):
+def _self_attention_stack(
+    params, tokens_BT, pos_BT, config: ModelConfig, *, stat_window=None, stat_names=()
+):
     """Runs all layers with causal self-attention only.
 
     Returns:
         Hidden states [B, T, D], new keys and values [L, B, K, T, H], and (with
-        ``stat_window``) the statistics of the new slots ({name: [L, B, K, T]}), else None.
+        ``stat_window``) the statistics ``stat_names`` of the new slots
+        ({name: [L, B, K, T]}), else None.
     """
     weights = None if stat_window is None else attn_stats.query_weights(pos_BT, stat_window)
 
@@ -88,8 +91,10 @@ def _self_attention_stack(params, tokens_BT, pos_BT, config: ModelConfig, *, sta
             window=config.sliding_window,
             block=PREFILL_BLOCK,
             stat_weights_BT3=weights,
+            stat_names=stat_names,
         )
-        st = None if st is None else {**st, "vnorm": attn_stats.value_norms(v)}
+        if st is not None and "vnorm" in stat_names:
+            st = {**st, "vnorm": attn_stats.value_norms(v)}
         return _finish_layer(lp, x, attn, config), (k, v, st)
 
     x, (ks, vs, new_stats) = jax.lax.scan(
@@ -127,7 +132,7 @@ def prefill(
     pos_BT = prompt_positions(tokens_BT, lengths_B)
     window = cache.window if cache.stats else None
     x, k_LBKTH, v_LBKTH, new_stats = _self_attention_stack(
-        params, tokens_BT, pos_BT, config, stat_window=window
+        params, tokens_BT, pos_BT, config, stat_window=window, stat_names=tuple(cache.stats)
     )
     last_B = jnp.max(pos_BT, axis=1)
     x_BD = jnp.take_along_axis(x, last_B[:, None, None], axis=1)[:, 0]
@@ -172,6 +177,7 @@ def extend(
     T = tokens_BT.shape[1]
     pos_BT = cache.length[:, None] + jnp.arange(T, dtype=jnp.int32)
     weights = attn_stats.query_weights(pos_BT, cache.window) if cache.stats else None
+    names = tuple(cache.stats)
     C = cache.capacity
 
     def layer(x, xs):
@@ -181,9 +187,11 @@ def extend(
         x = _finish_layer(lp, x, attn, config)
         if weights is None:
             return x, (k, v, None, None)
-        st = attn_stats.contributions(p, weights)
+        st = attn_stats.contributions(p, weights, names)
         old = {n: a[..., :C] for n, a in st.items()}
-        new = {**{n: a[..., C:] for n, a in st.items()}, "vnorm": attn_stats.value_norms(v)}
+        new = {n: a[..., C:] for n, a in st.items()}
+        if "vnorm" in names:
+            new["vnorm"] = attn_stats.value_norms(v)
         return x, (k, v, old, new)
 
     xs = (params["layers"], cache.k, cache.v, cache.pos)

@@ -79,6 +79,7 @@ def causal_block_attention(
     window: int | None,
     block: int,
     stat_weights_BT3: jax.Array | None = None,
+    stat_names: tuple[str, ...] = attn_stats.STAT_NAMES,
 ):
     """Causal self-attention over T tokens whose slot t holds position t (or -1).
 
@@ -87,7 +88,8 @@ def causal_block_attention(
 
     Returns:
         The attention output [B, K, G, T, H], and with ``stat_weights_BT3`` the statistics
-        each key received (``jaxkv.stats.contributions``, [B, K, T] each), else None.
+        each key received (``jaxkv.stats.contributions`` of ``stat_names``, [B, K, T] each),
+        else None.
     """
     T = q_BKGTH.shape[3]
     outs, stats = [], None
@@ -102,7 +104,7 @@ def causal_block_attention(
         p = masked_softmax(s, mask)
         outs.append(weighted_values(p, v_BKTH[:, :, lo:stop]))
         if stat_weights_BT3 is not None:
-            part = attn_stats.contributions(p, stat_weights_BT3[:, start:stop])
+            part = attn_stats.contributions(p, stat_weights_BT3[:, start:stop], stat_names)
             padded = {n: jnp.pad(x, [(0, 0), (0, 0), (lo, T - stop)]) for n, x in part.items()}
             # every statistic adds up over blocks (the final query lies in one block only)
             stats = padded if stats is None else jax.tree.map(jnp.add, stats, padded)

@@ -25,6 +25,8 @@ class Policy:
         init: ``() -> state`` (a pytree, e.g. learned weights; None for heuristics).
         granularities: selection granularities it supports (see ``GRANULARITIES``).
         window: time constant of the cache's ``recent`` statistics it reads.
+        stats: the cache statistics it reads (``jaxkv.kvcache.STAT_NAMES``); the decoder
+            computes only these, so a policy that reads none pays nothing for them.
         evicts: False for ``full`` (the engine then keeps everything).
         spec: hashable identity (name and settings): equal specs are the same policy, so
             jit caches compiled code across equal policies.
@@ -35,14 +37,23 @@ class Policy:
     init: Callable[[], Any] = lambda: None
     granularities: tuple[str, ...] = GRANULARITIES
     window: int = 64
+    stats: tuple[str, ...] = ()
     evicts: bool = True
     spec: tuple = ()
 
+    def __post_init__(self):
+        from jaxkv.kvcache import stat_names
+
+        stat_names(self.stats)  # raises on unknown names
+
+    def _identity(self):
+        return self.name, self.spec, self.stats
+
     def __hash__(self):
-        return hash((self.name, self.spec))
+        return hash(self._identity())
 
     def __eq__(self, other):
-        return isinstance(other, Policy) and (self.name, self.spec) == (other.name, other.spec)
+        return isinstance(other, Policy) and self._identity() == other._identity()
 
     def __repr__(self):
         return f"Policy({self.name}{dict(self.spec) if self.spec else ''})"

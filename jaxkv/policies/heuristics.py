@@ -71,7 +71,9 @@ def h2o(recent_fraction: float = 0.5) -> Policy:
         n_recent = jnp.floor(recent_fraction * budget_B).astype(jnp.int32)
         return _protect_recent(_unit(cache.stats["attn_cum"], cache.pos), cache, n_recent)
 
-    return Policy("h2o", score=score, spec=(("recent_fraction", recent_fraction),))
+    return Policy(
+        "h2o", score=score, stats=("attn_cum",), spec=(("recent_fraction", recent_fraction),)
+    )
 
 
 @register("snapkv")
@@ -93,7 +95,11 @@ def snapkv(window: int = 64, kernel: int = 5) -> Policy:
         return _protect_recent(votes, cache, jnp.minimum(window, budget_B // 2))
 
     return Policy(
-        "snapkv", score=score, window=window, spec=(("window", window), ("kernel", kernel))
+        "snapkv",
+        score=score,
+        window=window,
+        stats=("recent",),
+        spec=(("window", window), ("kernel", kernel)),
     )
 
 
@@ -116,7 +122,7 @@ def tova() -> Policy:
     """TOVA (Oren et al., 2024): keep the tokens the current (final) query attends to most,
     attention averaged over the query heads (here per KV group; ``granularity="layer"``
     averages over all heads of a layer as TOVA does)."""
-    return Policy("tova", score=lambda state, cache, **_: cache.stats["attn"])
+    return Policy("tova", score=lambda state, cache, **_: cache.stats["attn"], stats=("attn",))
 
 
 @register("keydiff")

@@ -68,6 +68,7 @@ def learned_policy(params: dict, *, name: str = "learned", spec: tuple = ()) -> 
         score=lambda state, cache, **_: token_scores(state, cache),
         init=lambda: params,
         granularities=("shared",),
+        stats=stats.FEATURE_STATS,
         spec=spec,
     )
 

@@ -49,7 +49,7 @@ def student_rollout(
 ) -> Decisions:
     """One student rollout; fields of the result have a leading step axis S = T - P."""
     T = tokens_T.shape[0]
-    cache = kvcache.init_cache(config, batch_size=1, capacity=T, stats=True)
+    cache = kvcache.init_cache(config, batch_size=1, capacity=T, stats=stats.FEATURE_STATS)
     _, cache = decoder.prefill(lm_params, tokens_T[None, :prompt_len], cache, config=config)
 
     def step(cache, xs):
