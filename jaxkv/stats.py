@@ -53,17 +53,22 @@ def entropy(p_BKGTS: jax.Array) -> jax.Array:
     )
 
 
-def contributions(p_BKGTS: jax.Array, w_BT3: jax.Array, names=STAT_NAMES) -> dict:
+def contributions(
+    p_BKGTS: jax.Array, w_BT3: jax.Array, names=STAT_NAMES, *, entropy_BKGT=None
+) -> dict:
     """The contribution ([B, K, S]) of one pass's attention probabilities to each statistic
     in ``names`` (``vnorm`` is not an attention statistic and is skipped). Only the
-    requested statistics are computed; the entropy only for ``recent_ent``."""
+    requested statistics are computed; the rows' entropies only for ``recent_ent``, from
+    ``p`` unless the softmax gave them (``jaxkv.model.layers.masked_softmax``)."""
     names = [n for n in names if n in _CHANNEL]
     if not names:
         return {}
     p = p_BKGTS.astype(jnp.float32)
     channels = sorted({_CHANNEL[n] for n in names})
     w = jnp.broadcast_to(w_BT3[:, None, None], (*p.shape[:4], 3))
-    cols = [w[..., _RECENT] * entropy(p) if c == _RECENT_ENT else w[..., c] for c in channels]
+    if _RECENT_ENT in channels and entropy_BKGT is None:
+        entropy_BKGT = entropy(p)
+    cols = [w[..., _RECENT] * entropy_BKGT if c == _RECENT_ENT else w[..., c] for c in channels]
     w_BKGTJ = jnp.stack(cols, axis=-1)
     if p.shape[3] == 1:  # decode: a broadcast product, much cheaper on CPU than a tiny dot
         m_BKGSJ = p[:, :, :, 0, :, None] * w_BKGTJ[:, :, :, 0, None, :]
