@@ -9,8 +9,8 @@ variants take in turns):
 * compressed cache (capacity 1041 = 25 % + 1 slot): decode with the statistics the policy
   reads, then eviction, for the shared token set and per KV head;
 * the parts: decode without statistics, with the policy's statistics, with all of them, and
-  eviction alone. (The decode-only variants do not evict, so after their first step the new
-  token overwrites a slot: the same work, and their outputs are not used.)
+  eviction alone. (The decode-only variants free the slot they have just written, one
+  elementwise op on ``pos``, so that no cache ever overflows.)
 
 Writes ``results/bench_eviction.{json,md}``.
 
@@ -95,7 +95,12 @@ def main():
 
         return jax.jit(step, donate_argnums=0)
 
-    plain = jax.jit(decode, donate_argnums=0)
+    def decode_and_forget(c):
+        c = decode(c)
+        newest = c.pos == (c.length - 1)[None, :, None, None]
+        return c.replace(pos=jnp.where(newest, kvcache.FREE, c.pos), length=c.length - 1)
+
+    plain = jax.jit(decode_and_forget, donate_argnums=0)
     full = filled_cache(cfg, batch=args.batch, capacity=n_max, n_valid=args.context, stats=())
     variants = {"full": (plain, full)}
     full_bytes = full.nbytes()

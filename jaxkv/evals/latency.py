@@ -7,9 +7,10 @@ warm-up call that compiles):
 
 * ``attn_ms``: one decode step (the whole model: projections, attention over the cache, MLP)
   on a cache without statistics — what the step costs at that cache size;
-* ``feature_ms``: the same step with the in-attention statistics the policies read, minus
-  ``attn_ms`` (plus ``stats.features`` for learned policies, which build the 5 features);
-* ``policy_ms``: the policy's scoring plus the top-B selection and slot freeing
+* ``feature_ms``: the same step with the in-attention statistics the policy reads
+  (``Policy.stats``), minus ``attn_ms``;
+* ``policy_ms``: the policy's scoring (for learned policies: building the five features from
+  those statistics and running the MLP) plus the top-B selection and slot freeing
   (``eviction.evict``, one eviction per step);
 * ``tokens_per_s``: end to end, ``batch × new_tokens`` / the wall time of ``generate_tokens``
   (prefill, decoding, eviction, host transfer); ``decode_tokens_per_s`` leaves the prefill out.
@@ -32,7 +33,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import eviction, kvcache
-from jaxkv import stats as attn_stats
 from jaxkv.evals import report
 from jaxkv.evals.runner import (
     EvalModel,
@@ -88,11 +88,6 @@ def _evict(cache, state, key, *, compression):
     return eviction.evict(cache, compression, state, key=key, max_drop=compression.evict_every)
 
 
-@jax.jit
-def _features(cache):
-    return attn_stats.features(cache)
-
-
 def prepared_cache(model: EvalModel, prompt_BT, *, compression, state, n_max: int):
     """The cache after a jitted prefill + eviction (none for the full cache, which also carries
     no statistics), with room for the next tokens."""
@@ -115,15 +110,11 @@ def prepared_cache(model: EvalModel, prompt_BT, *, compression, state, n_max: in
     )
 
 
-def step_costs(params, cache, *, config, repeats: int) -> tuple[float, float]:
-    """(ms of a decode step without statistics, extra ms with them) on ``cache``."""
+def step_ms(params, cache, *, config, repeats: int, stats=()) -> float:
+    """Median ms of a decode step on ``cache`` carrying only the statistics ``stats``."""
     token = jnp.zeros((cache.batch_size,), jnp.int32)
-    step = lambda c: _decode(params, token, c, config=config)
-    bare = cache.replace(stats={})
-    plain = median_ms(lambda: step(bare), repeats=repeats)
-    if not cache.stats:
-        return plain, 0.0
-    return plain, max(median_ms(lambda: step(cache), repeats=repeats) - plain, 0.0)
+    lean = cache.replace(stats={n: cache.stats[n] for n in stats})
+    return median_ms(lambda: _decode(params, token, lean, config=config), repeats=repeats)
 
 
 def prefill_ms(model: EvalModel, prompt_BT, *, compression, state, n_max: int) -> float:
@@ -134,18 +125,11 @@ def prefill_ms(model: EvalModel, prompt_BT, *, compression, state, n_max: int) -
     return median_ms(fn, repeats=1, calls=2)
 
 
-def policy_costs(
-    model: EvalModel, cache, member, *, ratio: float, min_budget: int, repeats: int
-) -> tuple[float, float]:
-    """(ms of one eviction with ``member`` alone, ms of building features if it reads them)."""
-    alone = Compression(policy=member, ratio=ratio, min_budget=min_budget)
-    state = member.init()
+def policy_ms(cache, compression: Compression, state, *, repeats: int) -> float:
+    """Median ms of one eviction (scoring, selection, freeing) under ``compression``."""
     key = jax.random.key(1)
-    pol = median_ms(lambda: _evict(cache, state, key, compression=alone).pos, repeats=repeats)
-    feat = 0.0
-    if member.name.startswith("learned"):
-        feat = median_ms(lambda: _features(cache), repeats=repeats)
-    return pol, feat
+    fn = lambda: _evict(cache, state, key, compression=compression).pos  # noqa: E731
+    return median_ms(fn, repeats=repeats)
 
 
 def end_to_end(
@@ -185,44 +169,35 @@ def run(
     params = model.params
     with report.progress(1 + len(ratios) * (1 + len(runs)), desc=NAME) as bar:
         cache = prepared_cache(model, prompt, compression=None, state=None, n_max=n_max)
-        attn, _ = step_costs(params, cache, config=model.config, repeats=repeats)
+        attn = step_ms(params, cache, config=model.config, repeats=repeats)
         total = end_to_end(model, prompts, new_tokens=new_tokens, repeats=repeats, compression=None)
         prefill = prefill_ms(model, prompt, compression=None, state=None, n_max=n_max)
         store.add(_row("full", 1.0, n_max, attn, None, None, total, prefill, B, new_tokens))
         bar.update()
         for ratio in ratios:
+            # one cache (compressed once, by the first member) for the per-step timings
             comp = switch_compression(switch_policy(members), ratio=ratio, min_budget=min_budget)
             state0 = switch_state(members, 0)
             cache = prepared_cache(model, prompt, compression=comp, state=state0, n_max=n_max)
-            attn, stat_ms = step_costs(params, cache, config=model.config, repeats=repeats)
-            prefill = prefill_ms(model, prompt, compression=comp, state=state0, n_max=n_max)
+            attn = step_ms(params, cache, config=model.config, repeats=repeats)
             bar.update()
             for group, member in runs:
-                pol, feat = policy_costs(
-                    model, cache, member, ratio=ratio, min_budget=min_budget, repeats=repeats
-                )
+                alone = Compression(policy=member, ratio=ratio, min_budget=min_budget)
+                state = member.init()
+                pol = policy_ms(cache, alone, state, repeats=repeats)
+                stat_ms = 0.0
+                if member.stats:
+                    with_stats = step_ms(
+                        params, cache, config=model.config, repeats=repeats, stats=member.stats
+                    )
+                    stat_ms = max(with_stats - attn, 0.0)
                 total = end_to_end(
-                    model,
-                    prompts,
-                    new_tokens=new_tokens,
-                    repeats=repeats,
-                    compression=comp,
-                    policy_state=switch_state(members, members.index(member)),
+                    model, prompts, new_tokens=new_tokens, repeats=repeats, compression=alone
                 )
-                cap = comp.capacity(n_max)
-                row = _row(
-                    group.label,
-                    ratio,
-                    cap,
-                    attn,
-                    stat_ms + feat,
-                    pol,
-                    total,
-                    prefill,
-                    B,
-                    new_tokens,
-                )
-                store.add(row)
+                prefill = prefill_ms(model, prompt, compression=alone, state=state, n_max=n_max)
+                cap = alone.capacity(n_max)
+                args = (attn, stat_ms, pol, total, prefill, B, new_tokens)
+                store.add(_row(group.label, ratio, cap, *args))
                 bar.update()
     return store.results()
 
