@@ -247,7 +247,7 @@ def test_block_kvlearn_learns_to_refuse_one_off_tails(tmp_path):
     tr = _trace(tmp_path, hashes, gap_ms=1000)
     cfg = SV.ServingConfig(pool_blocks=50, prefill_nodes=1)
     base = SV.simulate(tr, "mooncake", cfg=cfg, cost=COST)
-    learned = SV.simulate(tr, "kvlearn", cfg=cfg, cost=COST, horizon_s=10.0)
+    learned = SV.simulate(tr, "kvlearn", cfg=cfg, cost=COST)
     assert base["admits"] == 2 + 900  # Mooncake-style admits every computed block
     assert learned["admits"] < 2 + 450  # the PRP learns that tails are not reused
     np.testing.assert_array_equal(learned["hit_blocks"][1:], 2)  # the shared prefix stays

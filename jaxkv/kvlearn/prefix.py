@@ -48,6 +48,7 @@ class PrefixCache:
         self.prio: dict[int, tuple] = {}
         self.size = 0
         self.evictions = 0
+        self.on_evict = None  # optional callback(block) after each eviction
         self._heap: list[tuple] = []
 
     # ---- queries --------------------------------------------------------------------------
@@ -130,3 +131,5 @@ class PrefixCache:
             self.n_children[p] -= 1
             if self.n_children[p] == 0:
                 self.touch(p, self.prio[p])  # became a leaf: eligible again
+        if self.on_evict is not None:
+            self.on_evict(b)

@@ -35,7 +35,21 @@ def add_arguments(p) -> None:
     g.add_argument(
         "--load-scale", type=float, default=1.0, help="arrival-rate multiplier (default 1)"
     )
-    g.add_argument("--slo-ms", type=float, default=30_000.0, help="TTFT SLO for throughput_rps")
+    g.add_argument("--slo-ms", type=float, default=30_000.0, help="TTFT SLO (ms)")
+    g.add_argument(
+        "--rate-search",
+        action="store_true",
+        help="also search each policy's max sustainable rate (throughput_rps) at the SLO",
+    )
+    g.add_argument(
+        "--attainment",
+        type=float,
+        default=0.9,
+        help="fraction of requests that must meet the SLO for a rate to count as sustained",
+    )
+    g.add_argument("--decode-nodes", type=int, default=8, help="decode nodes (default 8)")
+    g.add_argument("--decode-slots", type=int, default=32, help="sequences per decode node")
+    g.add_argument("--tpot-ms", type=float, default=25.0, help="decode time per output token")
     g.add_argument(
         "--loads", type=_floats, default=[0.5, 1.0, 1.5, 2.0], help="load scales (--sweep)"
     )
@@ -50,16 +64,19 @@ def _floats(s: str) -> list[float]:
 
 def format_table(results: list[dict]) -> str:
     head = (
-        f"{'policy':<10}{'TTFT mean':>11}{'p50':>10}{'p99':>11}{'blk hit %':>10}"
-        f"{'tok hit %':>10}{'xfer GiB':>10}{'wait ms':>10}{'rps@SLO':>9}{'sim s':>7}"
+        f"{'policy':<14}{'TTFT mean':>11}{'p50':>10}{'p99':>11}{'blk hit %':>10}"
+        f"{'tok hit %':>10}{'xfer GiB':>10}{'wait ms':>10}{'goodput':>9}{'max rps':>9}"
+        f"{'e2e ms':>10}{'sim s':>7}"
     )
     lines = [head, "-" * len(head)]
     for m in results:
+        rps = m.get("throughput_rps")
         lines.append(
-            f"{m['policy']:<10}{m['ttft_ms_mean']:>11.1f}{m['ttft_ms_p50']:>10.1f}"
+            f"{m['policy']:<14}{m['ttft_ms_mean']:>11.1f}{m['ttft_ms_p50']:>10.1f}"
             f"{m['ttft_ms_p99']:>11.1f}{100 * m['hit_rate']:>10.1f}"
             f"{100 * m['token_hit_rate']:>10.1f}{m['transfer_gib']:>10.0f}"
-            f"{m['wait_ms_mean']:>10.1f}{m['throughput_rps']:>9.3f}{m['wall_s']:>7.2f}"
+            f"{m['wait_ms_mean']:>10.1f}{m['goodput_rps']:>9.3f}"
+            f"{'-' if rps is None else f'{rps:.3f}':>9}{m['e2e_ms_mean']:>10.0f}{m['wall_s']:>7.2f}"
         )
     return "\n".join(lines)
 
@@ -76,9 +93,17 @@ def _config(args, trace, cost: CostModel):
         if gib is None or gib < 0:
             raise ValueError("serving mode needs --pool-gib X (or --pool-frac F)")
         blocks = SV.pool_blocks_for(gib, cost, trace.block_tokens)
-    return SV.ServingConfig(
-        pool_blocks=blocks, prefill_nodes=args.prefill_nodes, slo_ms=args.slo_ms
-    )
+    return SV.ServingConfig(pool_blocks=blocks, **_deployment(args))
+
+
+def _deployment(args) -> dict:
+    return {
+        "prefill_nodes": args.prefill_nodes,
+        "slo_ms": args.slo_ms,
+        "decode_nodes": args.decode_nodes,
+        "decode_slots": args.decode_slots,
+        "tpot_ms": args.tpot_ms,
+    }
 
 
 def main(args, *, cost: CostModel) -> int:
@@ -104,9 +129,19 @@ def main(args, *, cost: CostModel) -> int:
         f"  prefill_nodes={cfg.prefill_nodes}  load_scale={args.load_scale:g}  "
         f"slo_ms={cfg.slo_ms:g}  model={cost.shape.name}\n"
     )
-    results = SV.compare(trace, cfg=cfg, cost=cost, policies=policies)
+    results = SV.compare(
+        trace,
+        cfg=cfg,
+        cost=cost,
+        policies=policies,
+        rate_search=args.rate_search,
+        attainment=args.attainment,
+    )
     print(format_table(results))
-    print("\n(TTFT and wait in ms; rps@SLO = requests meeting the TTFT SLO per second)")
+    print(
+        "\n(TTFT, wait and end-to-end in ms; goodput = requests meeting the TTFT SLO per second; "
+        f"max rps = highest arrival rate with ≥ {args.attainment:.0%} meeting it (--rate-search))"
+    )
     if args.json:
         config = {
             "n_requests": len(trace),
@@ -117,6 +152,11 @@ def main(args, *, cost: CostModel) -> int:
             "prefill_nodes": cfg.prefill_nodes,
             "load_scale": args.load_scale,
             "slo_ms": cfg.slo_ms,
+            "decode_nodes": cfg.decode_nodes,
+            "decode_slots": cfg.decode_slots,
+            "tpot_ms": cfg.tpot_ms,
+            "rate_search": args.rate_search,
+            "attainment": args.attainment,
             "cost_preset": None if args.calibration else args.cost_preset,
             "calibration": args.calibration,
             "seed": args.seed,
@@ -129,23 +169,19 @@ def _sweep(args, base, cost, policies) -> int:
     rows = []
     t0 = time.perf_counter()
     for frac in args.fracs:
-        cfg = SV.ServingConfig(
-            pool_blocks=int(frac * base.n_blocks),
-            prefill_nodes=args.prefill_nodes,
-            slo_ms=args.slo_ms,
-        )
+        cfg = SV.ServingConfig(pool_blocks=int(frac * base.n_blocks), **_deployment(args))
         for load in args.loads:
             for r in SV.compare(base.scaled(load), cfg=cfg, cost=cost, policies=policies):
                 rows.append(r | {"pool_frac": frac, "load_scale": load})
     print(f"serving sweep: {len(rows)} runs in {time.perf_counter() - t0:.1f} s")
     for frac in args.fracs:
         print(f"\npool {100 * frac:g} % of distinct blocks: mean TTFT (ms) per load scale")
-        print(f"{'policy':<10}" + "".join(f"{x:>11g}x" for x in args.loads))
+        print(f"{'policy':<14}" + "".join(f"{x:>11g}x" for x in args.loads))
         for p in policies:
             cells = {
                 r["load_scale"]: r for r in rows if r["policy"] == p and r["pool_frac"] == frac
             }
-            print(f"{p:<10}" + "".join(f"{cells[x]['ttft_ms_mean']:>12.1f}" for x in args.loads))
+            print(f"{p:<14}" + "".join(f"{cells[x]['ttft_ms_mean']:>12.1f}" for x in args.loads))
     plot_sweep(rows, path=args.plot, fracs=args.fracs, loads=args.loads, policies=policies)
     print(f"plot: {args.plot}")
     if args.json:
