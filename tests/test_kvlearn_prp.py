@@ -154,3 +154,36 @@ def test_online_prp_separates_hot_from_cold_prefixes_in_the_simulator():
     p = np.asarray(P.predict(state.prp, x, cfg=kv_cfg.prp))
     assert np.mean(p[y == 1] > 0.5) > 0.95 and np.mean(p[y == 0] < 0.5) > 0.95
     assert int(state.prp.n_updates) > 0
+
+
+def _prp_with_labels(n_labels: int, seed: int, cfg: P.PRPConfig) -> P.PRPState:
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.normal(size=(n_labels, 16)), jnp.float32)
+    y = jnp.asarray(rng.random(n_labels) < 0.5, jnp.float32)
+    state = P.init_prp(cfg, key=jax.random.key(seed))
+    for row in x:
+        state = P.observe(state, row)
+    return P.push_labels(state, x, y, jnp.ones(n_labels, bool))
+
+
+def test_batched_training_trains_only_due_runs_like_single_runs():
+    cfg = P.PRPConfig(replay_size=512, train_every=40, batch_size=16, updates_per_round=4)
+    runs = [_prp_with_labels(n, s, cfg) for n, s in ((50, 0), (10, 1), (90, 2), (45, 3))]
+    keys = jax.random.split(jax.random.key(7), len(runs))
+    batch = jax.tree.map(lambda *a: jnp.stack(a), *runs)
+    # parallel=2 with three due runs: the while loop takes two groups, one half empty
+    out = jax.jit(lambda s, k: P.maybe_train_batch(s, key_B=k, cfg=cfg, parallel=2))(batch, keys)
+    for i, run in enumerate(runs):
+        single = P.maybe_train(run, key=keys[i], cfg=cfg)
+        got = jax.tree.map(lambda a, i=i: a[i], out)
+        assert int(got.labels_since) == int(single.labels_since)
+        assert int(got.n_updates) == int(single.n_updates)
+        leaves = zip(jax.tree.leaves(got.params), jax.tree.leaves(single.params), strict=True)
+        for a, b in leaves:
+            if i == 1:  # not due: untouched, bit for bit
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+            else:
+                np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    assert [int(n) for n in out.n_updates] == [4, 0, 4, 4]
+    trained = jax.tree.leaves(out.params)[0][0]
+    assert not np.allclose(np.asarray(trained), np.asarray(jax.tree.leaves(runs[0].params)[0]))

@@ -177,3 +177,52 @@ def test_scan_carry_keeps_shapes_and_dtypes():
     after = jax.eval_shape(step, state)
     assert jax.tree.structure(before) == jax.tree.structure(after)
     assert spec(before) == spec(after)
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "belady", "kvlearn"])
+def test_victim_bound_changes_no_event(policy):
+    """Padding victim arrays to ⌈largest / smallest block⌉ instead of 128 changes nothing."""
+    tr = TRACE.head(1500)
+    bound = S.victim_bound([tr], cost=COST)
+    assert bound == -(-(1440 * 128) // (64 * 128))  # 1440- and 64-token blocks: 23 victims
+    sim_cfg = S.SimConfig()
+    inputs = S._inputs(tr, capacity_bytes=300 * MIB, seed=0, cost=COST)
+    inputs = inputs.replace(key=jax.random.wrap_key_data(inputs.key))
+    reqs = S.sim_requests(tr, cost=COST, seed=0)
+    events = []
+    for mv in (128, bound):
+        fn = S._runner(
+            policy,
+            max_keys=tr.n_keys,
+            n_requests=len(tr),
+            sim_cfg=sim_cfg,
+            batched=False,
+            max_victims=mv,
+        )
+        ev, _ = fn(reqs, inputs)
+        events.append([np.asarray(a) for a in (ev.hit, ev.admitted, ev.n_evicted)])
+    for a, b in zip(*events, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert events[0][2].sum() > 100 and events[0][2].max() >= 2  # evictions, some multiple
+
+
+def test_inactive_admit_changes_nothing():
+    """``admit(active=False)`` (the simulator's branch-free hit path) leaves the state as is."""
+    from jaxkv.kvlearn import control as C
+
+    cfg = C.KVLearnConfig(max_blocks=8, max_keys=16)
+    state = C.init(cfg, capacity_bytes=GIB, key=jax.random.key(0))
+    jnp = jax.numpy
+    for k in range(6):  # fill the pool so an active admit would evict
+        req = C.Request(jnp.int32(k), jnp.int32(1440), jnp.int32(2), jnp.float32(0.1 * k))
+        state, _ = C.lookup(state, req, cfg=cfg)
+        state, _ = C.admit(state, req, cfg=cfg)
+    req = C.Request(jnp.int32(9), jnp.int32(1440), jnp.int32(2), jnp.float32(1.0))
+    state, _ = C.lookup(state, req, cfg=cfg)
+    after, res = C.admit(state, req, cfg=cfg, active=jnp.bool_(False))
+    assert not bool(res.admitted) and int(res.n_evicted) == 0
+    same = jax.tree.map(lambda a, b: bool(jnp.all(a == b)), state, after)
+    assert all(jax.tree.leaves(same))
+    active, _ = C.admit(state, req, cfg=cfg)  # the same call, active: admits or discards
+    decided = lambda s: int(s.counters.admits) + int(s.counters.discards)
+    assert decided(active) == decided(state) + 1

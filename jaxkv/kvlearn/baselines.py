@@ -70,13 +70,18 @@ class RunInputs:
 @dataclasses.dataclass(frozen=True)
 class Policy:
     """A simulator policy: ``init(inputs) -> state``, ``step(state, req) -> (state, Event)``,
-    ``tick(state, t) -> state`` (identity for baselines)."""
+    ``tick(state, t) -> state`` (identity for baselines), and for batched runs optionally
+    ``step_vmap``, a ``step`` without ``lax.cond`` (which ``vmap`` turns into a select that
+    runs both branches over the whole state; default: ``step``), and ``tick_batch``, the tick
+    of B runs at once (leading run axis; default: ``vmap(tick)``)."""
 
     name: str
     init: Callable[[RunInputs], Any]
     step: Callable[[Any, SimRequest], tuple[Any, Event]]
     tick: Callable[[Any, jax.Array], Any] = lambda state, t: state
     diag: Callable[[Any], dict] = lambda state: {}
+    tick_batch: Callable[[Any, jax.Array], Any] | None = None
+    step_vmap: Callable[[Any, SimRequest], tuple[Any, Event]] | None = None
 
 
 def _event(hit, admitted, n_evicted) -> Event:
@@ -89,13 +94,20 @@ def no_cache() -> Policy:
     return Policy("no_cache", init, step)
 
 
-def _ranked_pool_policy(name, *, max_keys, rank_fn, allowed_fn, rule) -> Policy:
+def _init_pool(inp: RunInputs, *, max_keys: int, max_victims: int) -> pool_lib.Pool:
+    return pool_lib.init_pool(
+        max_blocks=max_keys,
+        max_keys=max_keys,
+        capacity_kib=inp.capacity_kib,
+        max_victims=max_victims,
+    )
+
+
+def _ranked_pool_policy(name, *, max_keys, max_victims, rank_fn, allowed_fn, rule) -> Policy:
     """A policy whose state is just the pool; ``rank_fn(state, req)`` ranks on access."""
 
     def init(inp: RunInputs):
-        return pool_lib.init_pool(
-            max_blocks=max_keys, max_keys=max_keys, capacity_kib=inp.capacity_kib
-        )
+        return _init_pool(inp, max_keys=max_keys, max_victims=max_victims)
 
     def step(pool, req: SimRequest):
         slot = pool_lib.lookup(pool, req.key)
@@ -116,34 +128,47 @@ def _ranked_pool_policy(name, *, max_keys, rank_fn, allowed_fn, rule) -> Policy:
     return Policy(name, init, step)
 
 
-def lru(*, max_keys: int) -> Policy:
+def lru(*, max_keys: int, max_victims: int = 128) -> Policy:
     rank = lambda r: r.index.astype(jnp.float32)
     return _ranked_pool_policy(
-        "lru", max_keys=max_keys, rank_fn=rank, allowed_fn=lambda r: True, rule="all"
+        "lru",
+        max_keys=max_keys,
+        max_victims=max_victims,
+        rank_fn=rank,
+        allowed_fn=lambda r: True,
+        rule="all",
     )
 
 
-def random_lru(*, max_keys: int, p_admit: float = 0.1) -> Policy:
+def random_lru(*, max_keys: int, p_admit: float = 0.1, max_victims: int = 128) -> Policy:
     rank = lambda r: r.index.astype(jnp.float32)
     allowed = lambda r: r.u < p_admit
     return _ranked_pool_policy(
-        "random_lru", max_keys=max_keys, rank_fn=rank, allowed_fn=allowed, rule="all"
+        "random_lru",
+        max_keys=max_keys,
+        max_victims=max_victims,
+        rank_fn=rank,
+        allowed_fn=allowed,
+        rule="all",
     )
 
 
-def belady(*, max_keys: int, n_requests: int) -> Policy:
+def belady(*, max_keys: int, n_requests: int, max_victims: int = 128) -> Policy:
     rank = lambda r: -r.next_use.astype(jnp.float32)
     allowed = lambda r: r.next_use < n_requests
     return _ranked_pool_policy(
-        "belady", max_keys=max_keys, rank_fn=rank, allowed_fn=allowed, rule="rank"
+        "belady",
+        max_keys=max_keys,
+        max_victims=max_victims,
+        rank_fn=rank,
+        allowed_fn=allowed,
+        rule="rank",
     )
 
 
-def lfu(*, max_keys: int) -> Policy:
+def lfu(*, max_keys: int, max_victims: int = 128) -> Policy:
     def init(inp: RunInputs):
-        pool = pool_lib.init_pool(
-            max_blocks=max_keys, max_keys=max_keys, capacity_kib=inp.capacity_kib
-        )
+        pool = _init_pool(inp, max_keys=max_keys, max_victims=max_victims)
         return pool, jnp.zeros((max_keys,), jnp.int32)
 
     def step(state, req: SimRequest):
@@ -160,11 +185,9 @@ def lfu(*, max_keys: int) -> Policy:
     return Policy("lfu", init, step)
 
 
-def oracle_static(*, max_keys: int) -> Policy:
+def oracle_static(*, max_keys: int, max_victims: int = 128) -> Policy:
     def init(inp: RunInputs):
-        pool = pool_lib.init_pool(
-            max_blocks=max_keys, max_keys=max_keys, capacity_kib=inp.capacity_kib
-        )
+        pool = _init_pool(inp, max_keys=max_keys, max_victims=max_victims)
         return pool, inp.keep_K
 
     def step(state, req: SimRequest):
@@ -209,9 +232,13 @@ def kvlearn(*, cfg: control.KVLearnConfig) -> Policy:
         cap = inp.capacity_kib.astype(jnp.float32) * 1024.0
         return control.init(cfg, capacity_bytes=cap, key=inp.key, prp_state=inp.prp)
 
-    def step(state, req: SimRequest):
+    def lookup(state, req: SimRequest):
         creq = control.Request(key=req.key, tokens=req.tokens, modality=req.modality, time=req.time)
         state, hit = control.lookup(state, creq, cfg=cfg)
+        return state, creq, hit
+
+    def step(state, req: SimRequest):
+        state, creq, hit = lookup(state, req)
 
         def on_miss(s):
             s, res = control.admit(s, creq, cfg=cfg)
@@ -223,6 +250,11 @@ def kvlearn(*, cfg: control.KVLearnConfig) -> Policy:
         state, admitted, n_ev = jax.lax.cond(hit, on_hit, on_miss, state)
         return state, _event(hit, admitted, n_ev)
 
+    def step_vmap(state, req: SimRequest):
+        state, creq, hit = lookup(state, req)
+        state, res = control.admit(state, creq, cfg=cfg, active=~hit)  # masked, not a cond
+        return state, _event(hit, res.admitted, res.n_evicted)
+
     def diag(state):
         return {
             "theta": state.atc.theta,
@@ -232,23 +264,28 @@ def kvlearn(*, cfg: control.KVLearnConfig) -> Policy:
         }
 
     tick = lambda state, t: control.tick(state, t, cfg=cfg)
-    return Policy("kvlearn", init, step, tick, diag)
+    tick_batch = lambda state_B, t_B: control.tick_batch(state_B, t_B, cfg=cfg)
+    return Policy("kvlearn", init, step, tick, diag, tick_batch, step_vmap)
 
 
-def make_policy(name: str, *, max_keys: int, n_requests: int, kvlearn_cfg=None, p_admit=0.1):
-    """Policy by name (one of ``POLICIES``)."""
+def make_policy(
+    name: str, *, max_keys: int, n_requests: int, kvlearn_cfg=None, p_admit=0.1, max_victims=128
+):
+    """Policy by name (one of ``POLICIES``); ``max_victims`` bounds the baselines' evictions per
+    admission (KVLearn's comes from ``kvlearn_cfg``)."""
+    mv = {"max_keys": max_keys, "max_victims": max_victims}
     if name == "no_cache":
         return no_cache()
     if name == "lru":
-        return lru(max_keys=max_keys)
+        return lru(**mv)
     if name == "random_lru":
-        return random_lru(max_keys=max_keys, p_admit=p_admit)
+        return random_lru(p_admit=p_admit, **mv)
     if name == "lfu":
-        return lfu(max_keys=max_keys)
+        return lfu(**mv)
     if name == "oracle_static":
-        return oracle_static(max_keys=max_keys)
+        return oracle_static(**mv)
     if name == "belady":
-        return belady(max_keys=max_keys, n_requests=n_requests)
+        return belady(n_requests=n_requests, **mv)
     if name == "kvlearn":
         if kvlearn_cfg is None:
             raise ValueError("kvlearn policy needs kvlearn_cfg")

@@ -141,7 +141,7 @@ def eval_parser() -> argparse.ArgumentParser:
         "--sweep-mode",
         choices=("vmap", "loop"),
         default="vmap",
-        help="one vmapped batch per policy, or one run after another (faster on CPU)",
+        help="one batched run per policy (faster once compiled), or one run after another",
     )
     from jaxkv.kvlearn import serving_cli
 

@@ -236,16 +236,19 @@ def lookup(state: KVLearnState, req: Request, *, cfg: KVLearnConfig):
     return state.replace(pool=pool, counters=counters), hit
 
 
-def admit(state: KVLearnState, req: Request, *, cfg: KVLearnConfig):
+def admit(state: KVLearnState, req: Request, *, cfg: KVLearnConfig, active=True):
     """Keep-or-discard for a missed request (call after ``lookup``). Returns (state, AdmitResult).
 
     Keep iff ν > θ and, when victims are needed, CARS(candidate) > Σ CARS(victims), the
-    victims being the lowest-ν blocks that free enough space.
+    victims being the lowest-ν blocks that free enough space. With ``active`` false ([] bool,
+    e.g. ``~hit``) nothing changes and nothing is admitted: callers that run many requests
+    at once (a vmapped simulator) use it instead of a ``lax.cond``, which ``vmap`` would turn
+    into a select over the whole state.
     """
     x_F = _featurize(state, req.key, req.time, cfg)
     p_hat, value, density = _score(state, x_F, req.tokens, cfg)
     kib = pool_lib.bytes_to_kib(cfg.cost.footprint_bytes(req.tokens))
-    gate = cars_lib.keep(density, state.atc.theta)
+    gate = active & cars_lib.keep(density, state.atc.theta)
     pool, admitted, victims = pool_lib.admit(
         state.pool,
         key=req.key,
@@ -264,7 +267,7 @@ def admit(state: KVLearnState, req: Request, *, cfg: KVLearnConfig):
     counters = c.replace(
         admits=c.admits + admitted,
         evictions=c.evictions + n_ev,
-        discards=c.discards + ~admitted,
+        discards=c.discards + (active & ~admitted),
         transfer_gib=c.transfer_gib + jnp.where(admitted, gib, 0.0),
     )
     result = AdmitResult(admitted, n_ev, evicted_V, p_hat, value, density, state.atc.theta)
@@ -298,6 +301,24 @@ def tick(state: KVLearnState, t, *, cfg: KVLearnConfig) -> KVLearnState:
     Expired windows emit label 0; resident blocks due a window get one with the same
     features they are re-scored with.
     """
+    state = tick_maintenance(state, t, cfg=cfg)
+    k_train, k_next = jax.random.split(state.rng)
+    prp = prp_lib.maybe_train(state.prp, key=k_train, cfg=cfg.prp)
+    return state.replace(prp=prp, rng=k_next)
+
+
+def tick_batch(state_B: KVLearnState, t_B, *, cfg: KVLearnConfig) -> KVLearnState:
+    """``tick`` for B independent states (leading run axis on every leaf), e.g. a vmapped sweep:
+    the maintenance is vmapped, and only the runs due a PRP training round train
+    (``prp.maybe_train_batch``), instead of every run paying for one as under a plain ``vmap``."""
+    state_B = jax.vmap(lambda s, t: tick_maintenance(s, t, cfg=cfg))(state_B, t_B)
+    keys_B2 = jax.vmap(jax.random.split)(state_B.rng)
+    prp = prp_lib.maybe_train_batch(state_B.prp, key_B=keys_B2[:, 0], cfg=cfg.prp)
+    return state_B.replace(prp=prp, rng=keys_B2[:, 1])
+
+
+def tick_maintenance(state: KVLearnState, t, *, cfg: KVLearnConfig) -> KVLearnState:
+    """``tick`` without the PRP training round: labels, re-scoring and the ATC step."""
     hist, x_KF, mask_K = F.expire_windows(state.hist, t=t, horizon_s=cfg.horizon_s)
     prp = prp_lib.push_labels(state.prp, x_KF, jnp.zeros(mask_K.shape, jnp.float32), mask_K)
     state = state.replace(hist=hist, prp=prp)
@@ -315,9 +336,4 @@ def tick(state: KVLearnState, t, *, cfg: KVLearnConfig) -> KVLearnState:
         theta=state.atc.theta,
         capacity_kib=p.capacity_kib,
     )
-    k_train, k_next = jax.random.split(state.rng)
-    return state.replace(
-        atc=atc_lib.update(state.atc, rho=rho, cfg=cfg.atc),
-        prp=prp_lib.maybe_train(state.prp, key=k_train, cfg=cfg.prp),
-        rng=k_next,
-    )
+    return state.replace(atc=atc_lib.update(state.atc, rho=rho, cfg=cfg.atc))

@@ -12,8 +12,9 @@ slots are pushed in victim order.
 
 Finding the lowest-rank blocks must not scan all C slots (an XLA CPU argmin over 100k floats
 costs ~0.5 ms): slots are split into G groups of S ≈ √(C / max_victims) and ``group_min_G``
-keeps each group's lowest resident rank. Victims are found in O(G + max_victims · S); every
-rank change refreshes one group in O(S).
+keeps each group's lowest resident rank. Each victim is found in O(G + max_victims · S) (the
+lowest group, then its lowest slot not yet taken), only as many as are needed; every rank change
+refreshes one group in O(S).
 
 Every policy (LRU, LFU, Belady, KVLearn, …) uses the same table and differs only in the
 ``rank`` it stores (lower rank = evicted first; ranks must be finite) and the admission ``rule``:
@@ -196,38 +197,51 @@ def select_victims(pool: Pool, *, need_kib, active=True) -> tuple[Victims, jax.A
     """Lowest-rank resident blocks, in (rank, slot) order, until ``need_kib`` KiB and a free slot
     are available. With ``active`` false nothing is selected.
 
-    Loop-free: the V lowest blocks lie in the V groups with the lowest ``group_min_G``, so
-    those groups' rows are gathered and the V lowest taken with ``lax.top_k`` (a full sort of
-    a few thousand floats costs ~0.5 ms on CPU; top-k ~0.05 ms).
+    A ``lax.while_loop`` that takes one victim per iteration: the lowest group minimum
+    (``argmin`` over G), then the lowest slot of that group not yet taken (S), then that group's
+    next minimum. Ties go to the lowest group and slot, which is (rank, slot) order because
+    groups are contiguous slot ranges. It runs as many iterations as victims are needed (none
+    for most requests), and has no sort: a sort or ``top_k`` over all candidates cost more
+    than the rest of a simulator step, and under ``vmap`` every run paid it at every request.
 
     Returns:
         (victims, ok): ``ok`` is false if the need cannot be met within ``max_victims``.
     """
-    n_groups = pool.group_min_G.shape[0]
-    v = pool.max_victims
-    k = min(v, n_groups)
-    _, groups_k = jax.lax.top_k(-pool.group_min_G, k)
-    # groups in index order, so that flat position order is slot order: lax.top_k breaks ties
-    # by position, which then gives the (rank, slot) order
-    slots_kS, rank_kS = _group_rows(pool, jnp.sort(groups_k))
-    neg_rank, pos = jax.lax.top_k(-rank_kS.reshape(-1), min(v, rank_kS.size))
-    slot = jnp.minimum(slots_kS.reshape(-1)[pos], pool.n_slots - 1)
-    rank, slot_sorted = -neg_rank, slot
-    key, kib, value = pool.key_C[slot], pool.kib_C[slot], pool.value_C[slot]
-    live = jnp.isfinite(rank[:v])
-    kib_v = jnp.where(live, kib[:v], 0)
-    before = jnp.cumsum(kib_v) - kib_v  # freed by the victims ahead of each one
+    v, c = pool.max_victims, pool.n_slots
     need_slot = pool.n_free == 0
-    idx = jnp.arange(v)
-    take = active & live & ((before < need_kib) | (need_slot & (idx == 0)))
-    freed = jnp.sum(jnp.where(take, kib_v, 0))
-    ok = ~active | ((freed >= need_kib) & (~need_slot | jnp.any(take)))
+    want = lambda freed, count: (freed < need_kib) | (need_slot & (count == 0))
+
+    def cond(carry):
+        _, _, count, freed, exhausted = carry
+        return active & ~exhausted & (count < v) & want(freed, count)
+
+    def body(carry):
+        gmin_G, slots_V, count, freed, _ = carry
+        g = jnp.argmin(gmin_G)
+        live = jnp.isfinite(gmin_G[g])
+        slots_1S, rank_1S = _group_rows(pool, g[None], exclude_V=slots_V)
+        j = jnp.argmin(rank_1S[0])
+        slot = jnp.where(live, slots_1S[0, j], c)
+        rest = jnp.where(jnp.arange(rank_1S.shape[1]) == j, jnp.inf, rank_1S[0]).min()
+        return (
+            gmin_G.at[g].set(jnp.where(live, rest, gmin_G[g])),
+            slots_V.at[count].set(slot),
+            count + live.astype(jnp.int32),
+            freed + jnp.where(live, pool.kib_C[jnp.minimum(slot, c - 1)], 0),
+            ~live,
+        )
+
+    init = (pool.group_min_G, jnp.full((v,), c, jnp.int32), jnp.int32(0), jnp.int32(0), False)
+    _, slot_V, count, freed, _ = jax.lax.while_loop(cond, body, init)
+    take = slot_V < c
+    safe = jnp.minimum(slot_V, c - 1)
+    ok = ~active | (~want(freed, count))
     victims = Victims(
-        slot_V=jnp.where(take, slot_sorted[:v], pool.n_slots),
-        key_V=jnp.where(take, key[:v], EMPTY),
-        kib_V=jnp.where(take, kib_v, 0),
-        rank_V=jnp.where(take, rank[:v], jnp.inf),
-        value_V=jnp.where(take, value[:v], 0.0),
+        slot_V=slot_V,
+        key_V=jnp.where(take, pool.key_C[safe], EMPTY),
+        kib_V=jnp.where(take, pool.kib_C[safe], 0),
+        rank_V=jnp.where(take, pool.rank_C[safe], jnp.inf),
+        value_V=jnp.where(take, pool.value_C[safe], 0.0),
     )
     return victims, ok
 

@@ -111,8 +111,12 @@ def observe(state: PRPState, x_F) -> PRPState:
 
 def whiten(state: PRPState, x_F):
     """(x − mean) / std with the running statistics (std floored at 1e-2)."""
-    var = state.m2_F / jnp.maximum(state.n_obs, 1.0)
-    return (x_F - state.mean_F) * jax.lax.rsqrt(var + _VAR_FLOOR)
+    return _whiten(state.n_obs, state.mean_F, state.m2_F, x_F)
+
+
+def _whiten(n_obs, mean_F, m2_F, x_F):
+    var = m2_F / jnp.maximum(n_obs, 1.0)
+    return (x_F - mean_F) * jax.lax.rsqrt(var + _VAR_FLOOR)
 
 
 def logits(params, x_whitened_F, *, hidden: int):
@@ -164,21 +168,32 @@ def bce_loss(params, x_whitened_BF, y_B, *, hidden: int):
     return jnp.mean(optax.sigmoid_binary_cross_entropy(z_B, y_B))
 
 
-def train_round(state: PRPState, *, key, cfg: PRPConfig) -> PRPState:
-    """``updates_per_round`` Adam steps on uniform minibatches from the replay buffer."""
+def _minibatch_indices(buf_size, *, key, cfg: PRPConfig):
+    """[U, Bm] replay rows of one training round: U uniform minibatches of the filled buffer."""
+    draw = lambda k: jax.random.randint(k, (cfg.batch_size,), 0, jnp.maximum(buf_size, 1))
+    return jax.vmap(draw)(jax.random.split(key, cfg.updates_per_round))
+
+
+def _fit(params, opt_state, x_UBF, y_UB, *, cfg: PRPConfig):
+    """U Adam steps, one per whitened minibatch. Returns (params, opt_state)."""
     opt = _optimizer(cfg)
     grad_fn = jax.grad(bce_loss)
 
-    def update(carry, step_key):
+    def update(carry, batch):
         params, opt_state = carry
-        idx_B = jax.random.randint(step_key, (cfg.batch_size,), 0, jnp.maximum(state.buf_size, 1))
-        x_BF = whiten(state, state.buf_x_MF[idx_B])
-        grads = grad_fn(params, x_BF, state.buf_y_M[idx_B], hidden=cfg.hidden)
+        grads = grad_fn(params, *batch, hidden=cfg.hidden)
         upd, opt_state = opt.update(grads, opt_state, params)
         return (optax.apply_updates(params, upd), opt_state), None
 
-    keys = jax.random.split(key, cfg.updates_per_round)
-    (params, opt_state), _ = jax.lax.scan(update, (state.params, state.opt_state), keys)
+    (params, opt_state), _ = jax.lax.scan(update, (params, opt_state), (x_UBF, y_UB))
+    return params, opt_state
+
+
+def train_round(state: PRPState, *, key, cfg: PRPConfig) -> PRPState:
+    """``updates_per_round`` Adam steps on uniform minibatches from the replay buffer."""
+    idx_UB = _minibatch_indices(state.buf_size, key=key, cfg=cfg)
+    x_UBF = whiten(state, state.buf_x_MF[idx_UB])
+    params, opt_state = _fit(state.params, state.opt_state, x_UBF, state.buf_y_M[idx_UB], cfg=cfg)
     return state.replace(
         params=params, opt_state=opt_state, n_updates=state.n_updates + cfg.updates_per_round
     )
@@ -193,3 +208,47 @@ def maybe_train(state: PRPState, *, key, cfg: PRPConfig) -> PRPState:
         return s.replace(labels_since=s.labels_since - cfg.train_every)
 
     return jax.lax.cond(due, run, lambda s: s, state)
+
+
+def maybe_train_batch(state_B: PRPState, *, key_B, cfg: PRPConfig, parallel: int = 16) -> PRPState:
+    """``maybe_train`` for B independent PRPs (every leaf has a leading run axis B).
+
+    Under ``vmap`` the ``lax.cond`` of ``maybe_train`` becomes a select, so every run would pay
+    for a training round at every call. Here only the due runs train, ``parallel`` at a time
+    (a ``while_loop`` over groups of due runs, each group one vmapped round on the gathered
+    minibatch rows); the results equal ``maybe_train`` per run up to float rounding of the
+    batched kernels.
+    """
+    b = state_B.buf_size.shape[0]
+    m = min(parallel, b)
+    due_B = state_B.labels_since >= cfg.train_every
+
+    def body(carry):
+        pending_B, params_B, opt_B = carry
+        (sel_m,) = jnp.nonzero(pending_B, size=m, fill_value=b)
+        safe_m = jnp.minimum(sel_m, b - 1)
+        idx_mUB = jax.vmap(lambda n, k: _minibatch_indices(n, key=k, cfg=cfg))(
+            state_B.buf_size[safe_m], key_B[safe_m]
+        )
+        x_mUBF = state_B.buf_x_MF[safe_m[:, None, None], idx_mUB]
+        stats_m = (state_B.n_obs[safe_m], state_B.mean_F[safe_m], state_B.m2_F[safe_m])
+        x_mUBF = jax.vmap(_whiten)(*stats_m, x_mUBF)
+        y_mUB = state_B.buf_y_M[safe_m[:, None, None], idx_mUB]
+        take = lambda tree: jax.tree.map(lambda a: a[safe_m], tree)
+        fit = jax.vmap(lambda p, o, x, y: _fit(p, o, x, y, cfg=cfg))
+        params_m, opt_m = fit(take(params_B), take(opt_B), x_mUBF, y_mUB)
+        put = lambda tree, new: jax.tree.map(
+            lambda a, u: a.at[sel_m].set(u, mode="drop"), tree, new
+        )
+        pending_B = pending_B.at[sel_m].set(False, mode="drop")
+        return pending_B, put(params_B, params_m), put(opt_B, opt_m)
+
+    carry = (due_B, state_B.params, state_B.opt_state)
+    _, params_B, opt_B = jax.lax.while_loop(lambda c: jnp.any(c[0]), body, carry)
+    n = due_B.astype(jnp.int32)
+    return state_B.replace(
+        params=params_B,
+        opt_state=opt_B,
+        labels_since=state_B.labels_since - n * cfg.train_every,
+        n_updates=state_B.n_updates + n * cfg.updates_per_round,
+    )

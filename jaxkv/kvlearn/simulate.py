@@ -82,22 +82,90 @@ def scan_policy(policy: B.Policy, reqs: B.SimRequest, inputs: B.RunInputs, *, ti
     return events, state
 
 
+def scan_policy_batch(
+    policy: B.Policy, reqs_B: B.SimRequest, inputs_B: B.RunInputs, *, tick_every: int
+):
+    """``scan_policy`` for B runs at once (leading run axis on ``reqs_B`` and ``inputs_B``, except
+    ``inputs_B.prp``, shared): (events [B, N], final states).
+
+    Each request step (the policy's ``step_vmap`` if it has one) is vmapped over runs, and so
+    is each tick unless the policy has a ``tick_batch`` (KVLearn: only the runs due a PRP
+    training round train).
+    """
+    n = reqs_B.key.shape[1]
+    n_chunks, rem = divmod(n, tick_every)
+    axes = B.RunInputs(capacity_kib=0, keep_K=0, key=0, prp=None)
+    state = jax.vmap(policy.init, in_axes=(axes,))(inputs_B)
+    steps = jax.vmap(lambda s, r: jax.lax.scan(policy.step_vmap or policy.step, s, r))
+    tick = policy.tick_batch or jax.vmap(policy.tick)
+    # [B, N] → [chunks, B, tick_every]
+    head = jax.tree.map(
+        lambda a: a[:, : n_chunks * tick_every].reshape(-1, n_chunks, tick_every).swapaxes(0, 1),
+        reqs_B,
+    )
+
+    def chunk(state, creqs):
+        state, ev = steps(state, creqs)
+        return tick(state, creqs.time[:, -1]), ev
+
+    state, ev = jax.lax.scan(chunk, state, head)
+    events = jax.tree.map(lambda a: a.swapaxes(0, 1).reshape(a.shape[1], -1), ev)
+    if rem:
+        tail = jax.tree.map(lambda a: a[:, n_chunks * tick_every :], reqs_B)
+        state, ev_tail = steps(state, tail)
+        events = jax.tree.map(lambda a, b: jnp.concatenate([a, b], axis=1), events, ev_tail)
+    return events, state
+
+
 def _scan_run(policy: B.Policy, reqs: B.SimRequest, inputs: B.RunInputs, *, tick_every: int):
     events, state = scan_policy(policy, reqs, inputs, tick_every=tick_every)
     return events, policy.diag(state)
 
 
-@functools.lru_cache(maxsize=64)
-def _runner(name: str, *, max_keys: int, n_requests: int, sim_cfg: SimConfig, batched: bool):
-    kv_cfg = sim_cfg.kvlearn.replace(max_keys=max_keys, max_blocks=max_keys)
-    policy = B.make_policy(
-        name, max_keys=max_keys, n_requests=n_requests, kvlearn_cfg=kv_cfg, p_admit=sim_cfg.p_admit
+def _scan_run_batch(policy: B.Policy, reqs_B, inputs_B, *, tick_every: int):
+    events, state = scan_policy_batch(policy, reqs_B, inputs_B, tick_every=tick_every)
+    return events, jax.vmap(policy.diag)(state)
+
+
+def victim_bound(traces: list[Trace], *, cost: CostModel, cap: int = 128) -> int:
+    """Most victims any admission in ``traces`` can need: ⌈largest block / smallest block⌉ KiB.
+
+    An admission needs at most its own size (and one slot), and every victim frees at least
+    the smallest block, so a pool with ``max_victims`` ≥ this bound behaves exactly as with
+    any larger one. Padding victim arrays to the bound instead of ``cap`` makes each request
+    step cheaper, which matters most for batched runs.
+    """
+    kib = np.concatenate(
+        [bytes_to_kib(cost.footprint_bytes(t.tokens.astype(np.int64))) for t in traces]
     )
-    run = functools.partial(_scan_run, policy, tick_every=sim_cfg.tick_every)
-    if batched:
-        axes = B.RunInputs(capacity_kib=0, keep_K=0, key=0, prp=None)
-        run = jax.vmap(run, in_axes=(0, axes))
-    return jax.jit(run)
+    return int(min(cap, max(1, -(-int(kib.max()) // int(kib.min())))))
+
+
+@functools.lru_cache(maxsize=64)
+def _runner(
+    name: str,
+    *,
+    max_keys: int,
+    n_requests: int,
+    sim_cfg: SimConfig,
+    batched: bool,
+    max_victims: int = 128,
+):
+    kv_cfg = sim_cfg.kvlearn.replace(
+        max_keys=max_keys,
+        max_blocks=max_keys,
+        max_victims=min(sim_cfg.kvlearn.max_victims, max_victims),
+    )
+    policy = B.make_policy(
+        name,
+        max_keys=max_keys,
+        n_requests=n_requests,
+        kvlearn_cfg=kv_cfg,
+        p_admit=sim_cfg.p_admit,
+        max_victims=max_victims,
+    )
+    scan_run = _scan_run_batch if batched else _scan_run
+    return jax.jit(functools.partial(scan_run, policy, tick_every=sim_cfg.tick_every))
 
 
 def _inputs(trace: Trace, *, capacity_bytes: float, seed: int, cost: CostModel, prp=None):
@@ -132,7 +200,14 @@ def run(
 ) -> dict:
     """Simulates one policy on one trace; returns its metrics (see ``metrics``)."""
     sim_cfg = sim_cfg or SimConfig()
-    fn = _runner(name, max_keys=trace.n_keys, n_requests=len(trace), sim_cfg=sim_cfg, batched=False)
+    fn = _runner(
+        name,
+        max_keys=trace.n_keys,
+        n_requests=len(trace),
+        sim_cfg=sim_cfg,
+        batched=False,
+        max_victims=victim_bound([trace], cost=sim_cfg.cost),
+    )
     reqs = sim_requests(trace, cost=sim_cfg.cost, seed=seed)
     inputs = _inputs(trace, capacity_bytes=capacity_bytes, seed=seed, cost=sim_cfg.cost, prp=prp)
     inputs = inputs.replace(key=jax.random.wrap_key_data(inputs.key))
@@ -149,7 +224,8 @@ def run_batch(
     sim_cfg: SimConfig | None = None,
     prp=None,
 ) -> list[dict]:
-    """Simulates one policy on many (trace, capacity, seed) runs at once with ``vmap``.
+    """Simulates one policy on many (trace, capacity, seed) runs at once
+    (``scan_policy_batch``: one scan whose steps are vmapped over runs).
 
     All traces must have the same length and key table size.
     """
@@ -159,7 +235,8 @@ def run_batch(
     if len({(len(t), t.n_keys) for t in traces}) != 1:
         raise ValueError("run_batch: traces must share length and key table size")
     n, k = len(traces[0]), traces[0].n_keys
-    fn = _runner(name, max_keys=k, n_requests=n, sim_cfg=sim_cfg, batched=True)
+    mv = victim_bound(traces, cost=sim_cfg.cost)
+    fn = _runner(name, max_keys=k, n_requests=n, sim_cfg=sim_cfg, batched=True, max_victims=mv)
     stack = lambda xs: jax.tree.map(lambda *a: np.stack(a), *xs)
     reqs = stack(
         [sim_requests(t, cost=sim_cfg.cost, seed=s) for t, s in zip(traces, seeds, strict=True)]
@@ -232,11 +309,10 @@ def sweep(
 ) -> tuple[list[dict], dict]:
     """Every policy on the Zipf workload over alphas × pool sizes × seeds.
 
-    ``mode="vmap"`` runs each policy's cells as one vmapped batch; ``mode="loop"`` runs them one
-    after another through the single-run function (compiled once). On a 2-core CPU the loop is
-    faster: vmapped ``lax.cond`` becomes ``select``, so every run pays for both branches (and
-    KVLearn for a PRP training round at every tick), and batched gathers/scatters are slower
-    than dynamic slices.
+    ``mode="vmap"`` runs each policy's cells as one batch (``run_batch``); ``mode="loop"`` runs
+    them one after another through the single-run function (compiled once). The batch is the
+    faster of the two once compiled (``scripts/bench_kvlearn_speed.py``); it compiles about
+    twice as long as a single run.
 
     Returns (rows, seconds): one metrics row per (policy, alpha, pool, seed) with those keys
     added, and the wall time of each policy's runs (including compilation).
