@@ -155,8 +155,21 @@ def evict(
     budget_B = compression.budget_for(cache.length)
     raw = compression.policy.score(policy_state, cache, budget_B=budget_B, key=key)
     scores = aggregate(raw, compression.granularity, cache.pos.shape)
-    drop = drop_mask(scores, cache.pos, budget_B, max_drop=max_drop, keep_rows=keep_rows)
+    pos = cache.pos
+    if keep_rows is None and compression.granularity in _SET_ROWS:
+        # Every row of a token set (all rows of a sequence, or of a layer) holds the same
+        # tokens: select on one row per set and broadcast the decision (L * K times less work).
+        one = _SET_ROWS[compression.granularity]
+        scores, pos = scores[one], pos[one]
+    drop = drop_mask(scores, pos, budget_B, max_drop=max_drop, keep_rows=keep_rows)
     return kvcache.free_slots(cache, drop)
+
+
+# One row per token set, as an index into [L, B, K, C] that keeps the axes.
+_SET_ROWS = {
+    "shared": (slice(0, 1), slice(None), slice(0, 1)),
+    "layer": (slice(None), slice(None), slice(0, 1)),
+}
 
 
 def hybrid_full_rows(cache: KVCache, compression: Compression) -> jax.Array | None:
