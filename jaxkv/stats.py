@@ -61,44 +61,52 @@ def contributions(
     requested statistics are computed; the rows' entropies only for ``recent_ent``, from
     ``p`` unless the softmax gave them (``jaxkv.model.layers.masked_softmax``)."""
     names = [n for n in names if n in _CHANNEL]
-    if not names:
-        return {}
     p = p_BKGTS.astype(jnp.float32)
-    channels = sorted({_CHANNEL[n] for n in names})
-    w = jnp.broadcast_to(w_BT3[:, None, None], (*p.shape[:4], 3))
-    if _RECENT_ENT in channels and entropy_BKGT is None:
+    if _RECENT_ENT in {_CHANNEL[n] for n in names} and entropy_BKGT is None:
         entropy_BKGT = entropy(p)
-    cols = [w[..., _RECENT] * entropy_BKGT if c == _RECENT_ENT else w[..., c] for c in channels]
-    w_BKGTJ = jnp.stack(cols, axis=-1)
-    if p.shape[3] == 1:  # decode: a broadcast product, much cheaper on CPU than a tiny dot
-        m_BKGSJ = p[:, :, :, 0, :, None] * w_BKGTJ[:, :, :, 0, None, :]
-    else:
-        m_BKGSJ = jnp.einsum("bkgts,bkgtj->bkgsj", p, w_BKGTJ)
+    per_head = {}  # channel -> [B, K, G, S]: sum over queries of weight * probability
+
+    def summed(c):
+        if c not in per_head:
+            w_BT = w_BT3[..., min(c, _RECENT)]
+            w_BKGT = jnp.broadcast_to(w_BT[:, None, None], p.shape[:4])
+            if c == _RECENT_ENT:
+                w_BKGT = w_BKGT * entropy_BKGT
+            if p.shape[3] == 1:  # decode: a broadcast product, much cheaper on CPU than a dot
+                per_head[c] = p[:, :, :, 0] * w_BKGT[..., 0, None]
+            else:
+                per_head[c] = jnp.einsum("bkgts,bkgt->bkgs", p, w_BKGT)
+        return per_head[c]
+
     out = {}
     for n in names:
-        m = m_BKGSJ[..., channels.index(_CHANNEL[n])]
+        m = summed(_CHANNEL[n])
         out[n] = jnp.mean(m**2 if n == "attn_sq" else m, axis=2)
     return out
 
 
-def merge(old: dict, new: dict, *, n_queries_B: jax.Array, window: int) -> dict:
+# Statistics that add a pass's contribution to their old value (the others are replaced).
+ACCUMULATING = ("attn_cum", "recent", "recent_ent")
+
+
+def merge(cached: dict, new: dict, *, n_queries_B: jax.Array, window: int) -> dict:
     """Statistics of cached slots after a pass of ``n_queries_B`` real queries.
 
-    ``old`` maps the cache's statistic names to [..., B, K, C] arrays, ``new`` the pass's
-    contributions (``vnorm`` is carried over).
+    ``new`` maps each computed statistic to the pass's contribution ([..., B, K, C]);
+    ``cached`` holds the old values of (at least) the ``ACCUMULATING`` ones among them.
+    ``attn`` and ``attn_sq`` are replaced, ``attn_cum`` adds up, ``recent``/``recent_ent``
+    decay by lam^n_queries first. Returns the merged values of the names in ``new``.
     """
     lam = decay(window) ** n_queries_B.astype(jnp.float32)
     lam = lam[:, None, None]
     merged = {}
-    for n, a in old.items():
-        if n in ("attn", "attn_sq"):
-            merged[n] = new[n]
-        elif n == "attn_cum":
-            merged[n] = a + new[n]
+    for n, x in new.items():
+        if n == "attn_cum":
+            merged[n] = cached[n] + x
         elif n in ("recent", "recent_ent"):
-            merged[n] = lam * a + new[n]
+            merged[n] = lam * cached[n] + x
         else:
-            merged[n] = a
+            merged[n] = x
     return merged
 
 

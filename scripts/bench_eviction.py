@@ -162,6 +162,12 @@ def summarize(rows, full_bytes, small_bytes, args, policy_stats):
             f"**{100 * (total - ms['decode_nostats']) / total:.1f} %** of a step "
             f"(eviction alone {ms[f'evict_only_{gran}']:.1f} ms)",
         ]
+    extra = ms["decode_all_stats"] - ms["decode_nostats"]
+    lines += [
+        "",
+        f"- all six statistics (a superset of what the learned policy reads): +{extra:.1f} ms ="
+        f" {100 * extra / ms['decode_nostats']:.1f} % of a decode step without statistics",
+    ]
     lines += [
         "",
         f"- cache bytes: {small_bytes / 2**20:.0f} MiB compressed (with statistics) vs "

@@ -185,9 +185,13 @@ def extend(
     weights = attn_stats.query_weights(pos_BT, cache.window) if cache.stats else None
     names = tuple(cache.stats)
     C = cache.capacity
+    n_queries_B = jnp.full((tokens_BT.shape[0],), T)
+    # Only the accumulating statistics are read back; each layer merges its own slice inside
+    # the scan, so every statistic array is streamed once (twice when it accumulates).
+    acc = {n: a for n, a in cache.stats.items() if n in attn_stats.ACCUMULATING}
 
     def layer(x, xs):
-        lp, ck, cv, cpos = xs
+        lp, ck, cv, cpos, acc_l = xs
         q, k, v = _project_qkv(lp, x, pos_BT, config)
         want_h = weights is not None and "recent_ent" in names
         attn, p, h = _cached_attention(q, k, v, pos_BT, ck, cv, cpos, config, entropy=want_h)
@@ -196,18 +200,16 @@ def extend(
             return x, (k, v, None, None)
         st = attn_stats.contributions(p, weights, names, entropy_BKGT=h)
         old = {n: a[..., :C] for n, a in st.items()}
+        merged = attn_stats.merge(acc_l, old, n_queries_B=n_queries_B, window=cache.window)
         new = {n: a[..., C:] for n, a in st.items()}
         if "vnorm" in names:
             new["vnorm"] = attn_stats.value_norms(v)
-        return x, (k, v, old, new)
+        return x, (k, v, merged, new)
 
-    xs = (params["layers"], cache.k, cache.v, cache.pos)
-    x, (ks, vs, old_stats, new_stats) = jax.lax.scan(layer, _embed(params, tokens_BT, config), xs)
+    xs = (params["layers"], cache.k, cache.v, cache.pos, acc)
+    x, (ks, vs, merged, new_stats) = jax.lax.scan(layer, _embed(params, tokens_BT, config), xs)
     if weights is not None:
-        merged = attn_stats.merge(
-            cache.stats, old_stats, n_queries_B=jnp.full((x.shape[0],), T), window=cache.window
-        )
-        cache = cache.replace(stats=merged)
+        cache = cache.replace(stats={**cache.stats, **merged})
     cache = kvcache.append(cache, ks, vs, pos_BT, new_stats)
     return _guard(_logits(params, x, config), cache), cache
 
