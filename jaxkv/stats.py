@@ -53,17 +53,17 @@ def entropy(p_BKGTS: jax.Array) -> jax.Array:
     )
 
 
-def contributions(
-    p_BKGTS: jax.Array, w_BT3: jax.Array, names=STAT_NAMES, *, entropy_BKGT=None
-) -> dict:
+def contributions(p_BKGTS: jax.Array, w_BT3: jax.Array, names=STAT_NAMES) -> dict:
     """The contribution ([B, K, S]) of one pass's attention probabilities to each statistic
     in ``names`` (``vnorm`` is not an attention statistic and is skipped). Only the
-    requested statistics are computed; the rows' entropies only for ``recent_ent``, from
-    ``p`` unless the softmax gave them (``jaxkv.model.layers.masked_softmax``)."""
+    requested statistics are computed; the rows' entropies only for ``recent_ent``.
+
+    Everything is computed from ``p`` after the softmax, never inside it: a softmax that
+    also produced statistics would be fused differently by XLA, and the logits of a cache
+    with statistics would no longer equal the full cache's bit for bit."""
     names = [n for n in names if n in _CHANNEL]
     p = p_BKGTS.astype(jnp.float32)
-    if _RECENT_ENT in {_CHANNEL[n] for n in names} and entropy_BKGT is None:
-        entropy_BKGT = entropy(p)
+    entropy_BKGT = entropy(p) if "recent_ent" in names else None
     per_head = {}  # channel -> [B, K, G, S]: sum over queries of weight * probability
 
     def summed(c):

@@ -1,5 +1,6 @@
 """Golden equivalence against transformers' PyTorch models (float32)."""
 
+import dataclasses
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -9,9 +10,12 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from jaxkv import generate_tokens  # noqa: E402
+from jaxkv import generate_tokens, kvcache  # noqa: E402
+from jaxkv.eviction import Compression  # noqa: E402
+from jaxkv.generate import teacher_forced  # noqa: E402
 from jaxkv.model import decoder  # noqa: E402
 from jaxkv.model.loading import embedded_model_path, load_model, load_safetensors  # noqa: E402
+from jaxkv.policies.base import get_policy  # noqa: E402
 
 SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared/data/tinyshakespeare"
 
@@ -88,3 +92,21 @@ def test_smollm2_logits_and_greedy_tokens_match_transformers(smollm2):
         )[0, 40:].tolist()
     (out,) = generate_tokens(ours.params, [prompt], config=ours.config, max_new_tokens=32)
     assert out == ref_out
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_smollm2_ratio_one_with_every_statistic_equals_full_cache_bit_for_bit(smollm2):
+    """On the real model, computing every attention statistic must not change the logits:
+    a softmax fused differently by XLA once statistics read it shifts logits by an ulp."""
+    ours, _ = smollm2
+    text = (SHAKESPEARE / "input.txt").read_text()[9000:11000]
+    ids = jnp.asarray([ours.tokenizer(text)["input_ids"][:96]])
+    full, _ = teacher_forced(ours.params, ids, prompt_len=64, config=ours.config)
+    for name in ("h2o", "snapkv"):
+        every = dataclasses.replace(get_policy(name), stats=kvcache.STAT_NAMES)
+        comp = Compression(policy=every, ratio=1.0)
+        logits, _ = teacher_forced(
+            ours.params, ids, prompt_len=64, config=ours.config, compression=comp
+        )
+        np.testing.assert_array_equal(np.asarray(logits), np.asarray(full))

@@ -140,14 +140,11 @@ def prefill(
     return _guard(_logits(params, x_BD, config), cache), cache
 
 
-def _cached_attention(
-    q, k_new, v_new, pos_BT, ck, cv, cpos, config: ModelConfig, *, entropy: bool = False
-):
+def _cached_attention(q, k_new, v_new, pos_BT, ck, cv, cpos, config: ModelConfig):
     """Attention of new queries over one layer's cache slots plus the new tokens.
 
     Returns:
-        The output [B, K, G, T, H], the probabilities [B, K, G, T, C + T], and (with
-        ``entropy``) each query's attention entropy [B, K, G, T], else None.
+        The output [B, K, G, T, H] and the probabilities [B, K, G, T, C + T].
     """
     s = jnp.concatenate([layers.scores(q, ck), layers.scores(q, k_new)], axis=-1)
     q_pos = pos_BT[:, None, None, :, None]
@@ -159,13 +156,10 @@ def _cached_attention(
     mask = jnp.concatenate(
         [jnp.broadcast_to(m, (m.shape[0], K, G, T, m.shape[-1])) for m in parts], axis=-1
     )
-    if entropy:
-        p, h = layers.masked_softmax(s, mask, entropy=True)
-    else:
-        p, h = layers.masked_softmax(s, mask), None
+    p = layers.masked_softmax(s, mask)
     C = ck.shape[2]
     out = layers.weighted_values(p[..., :C], cv) + layers.weighted_values(p[..., C:], v_new)
-    return out, p, h
+    return out, p
 
 
 def extend(
@@ -193,12 +187,11 @@ def extend(
     def layer(x, xs):
         lp, ck, cv, cpos, acc_l = xs
         q, k, v = _project_qkv(lp, x, pos_BT, config)
-        want_h = weights is not None and "recent_ent" in names
-        attn, p, h = _cached_attention(q, k, v, pos_BT, ck, cv, cpos, config, entropy=want_h)
+        attn, p = _cached_attention(q, k, v, pos_BT, ck, cv, cpos, config)
         x = _finish_layer(lp, x, attn, config)
         if weights is None:
             return x, (k, v, None, None)
-        st = attn_stats.contributions(p, weights, names, entropy_BKGT=h)
+        st = attn_stats.contributions(p, weights, names)
         old = {n: a[..., :C] for n, a in st.items()}
         merged = attn_stats.merge(acc_l, old, n_queries_B=n_queries_B, window=cache.window)
         new = {n: a[..., C:] for n, a in st.items()}

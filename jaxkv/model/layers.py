@@ -58,22 +58,12 @@ def scores(q_BKGTH: jax.Array, k_BKSH: jax.Array) -> jax.Array:
     return s * scale
 
 
-def masked_softmax(s_BKGTS: jax.Array, mask_BKGTS: jax.Array, *, entropy: bool = False):
-    """Softmax over keys; a query that sees no key gets all-zero weights, not NaN.
-
-    With ``entropy`` also returns each row's entropy H = -sum_j p_j log p_j ([B, K, G, T]),
-    computed as log Z - sum_j p_j (s_j - max s): one log per row instead of one per key.
-    """
+def masked_softmax(s_BKGTS: jax.Array, mask_BKGTS: jax.Array) -> jax.Array:
+    """Softmax over keys; a query that sees no key gets all-zero weights, not NaN."""
     s = jnp.where(mask_BKGTS, s_BKGTS, NEG_INF)
-    shifted = s - jnp.max(s, axis=-1, keepdims=True)
-    e = jnp.where(mask_BKGTS, jnp.exp(shifted), 0.0)
-    z = jnp.sum(e, axis=-1, keepdims=True)
-    p = e / jnp.maximum(z, 1e-30)
-    if not entropy:
-        return p
-    z = z[..., 0]
-    h = jnp.log(jnp.maximum(z, 1e-30)) - jnp.sum(p * shifted, axis=-1)
-    return p, jnp.where(z > 0, h, 0.0)
+    p = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True))
+    p = jnp.where(mask_BKGTS, p, 0.0)
+    return p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
 
 
 def weighted_values(p_BKGTS: jax.Array, v_BKSH: jax.Array) -> jax.Array:
@@ -111,14 +101,10 @@ def causal_block_attention(
         mask = visible(
             pos_BT[:, None, None, start:stop, None], pos_BT[:, None, None, None, lo:stop], window
         )
-        if stat_weights_BT3 is not None and "recent_ent" in stat_names:
-            p, h = masked_softmax(s, mask, entropy=True)
-        else:
-            p, h = masked_softmax(s, mask), None
+        p = masked_softmax(s, mask)
         outs.append(weighted_values(p, v_BKTH[:, :, lo:stop]))
         if stat_weights_BT3 is not None:
-            w = stat_weights_BT3[:, start:stop]
-            part = attn_stats.contributions(p, w, stat_names, entropy_BKGT=h)
+            part = attn_stats.contributions(p, stat_weights_BT3[:, start:stop], stat_names)
             padded = {n: jnp.pad(x, [(0, 0), (0, 0), (lo, T - stop)]) for n, x in part.items()}
             # every statistic adds up over blocks (the final query lies in one block only)
             stats = padded if stats is None else jax.tree.map(jnp.add, stats, padded)
