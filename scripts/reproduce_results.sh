@@ -7,11 +7,13 @@
 #
 # Each step writes <name>.json / .md / .png under $OUT and saves after every finished cell, so
 # an interrupted run keeps what it has. Sizes are chosen for a shared 2-core CPU; raise --limit
-# (and add ratios / lengths) on a bigger machine. Add a trained policy to every step with
-# POLICIES_EXTRA=learned:runs/distillcache_cpu/policy (or learned:'runs/seed*/policy' for seeds).
+# (and add ratios / lengths) on a bigger machine. Every step includes the shipped learned policy;
+# POLICIES_EXTRA=learned:runs/distillcache_cpu/policy (or learned:'runs/seed*/policy' for seeds)
+# replaces it with your own, POLICIES_EXTRA= drops it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results}
+POLICIES_EXTRA=${POLICIES_EXTRA-learned:policies/distillcache_smollm2_cpu}
 EXTRA=${POLICIES_EXTRA:+,$POLICIES_EXTRA}
 HEUR=random,streaming_llm,h2o,snapkv,tova,keydiff,knorm
 EVAL=(python -m jaxkv.eval)
@@ -32,4 +34,10 @@ step retrieval --policies "full,streaming_llm,h2o,snapkv$EXTRA" --ratios 0.25 \
 # Table 8: agreement with full-cache generations and error modes (GSM8K prompts, 128 tokens).
 step agreement --policies "streaming_llm,h2o,snapkv,tova$EXTRA" --ratios 0.25 --seeds 0 \
   --task gsm8k --limit 4 --max-new-tokens 128
+# Table 1 axis: GSM8K (8-shot CoT) and BBH (3-shot CoT) exact match, greedy, 512 new tokens.
+# A 135M model solves few of these: the rows show how much compression changes that, and
+# the agreement step above is the finer measure.
+step gsm8k --policies "full,streaming_llm,h2o,snapkv,tova$EXTRA" --ratios 0.25 --limit 8
+step bbh --policies "full,streaming_llm,h2o,snapkv,tova$EXTRA" --ratios 0.25 --limit 4 \
+  --tasks boolean_expressions,navigate,sports_understanding
 echo "done in $(($(date +%s) - start)) s; results in $OUT/" >&2
