@@ -26,8 +26,13 @@ from jaxkv.kvcache import STAT_NAMES
 
 # Order of the query-weight channels; channel 3 is the recent weight times the entropy.
 _FINAL, _VALID, _RECENT, _RECENT_ENT = 0, 1, 2, 3
-_CHANNEL = {"attn": _FINAL, "attn_sq": _FINAL, "attn_cum": _VALID, "recent": _RECENT}
-_CHANNEL["recent_ent"] = _RECENT_ENT
+_CHANNEL = {
+    "attn": _FINAL,
+    "attn_sq": _FINAL,
+    "attn_cum": _VALID,
+    "recent": _RECENT,
+    "recent_ent": _RECENT_ENT,
+}
 
 
 def decay(window: int) -> float:
