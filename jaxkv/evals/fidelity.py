@@ -195,28 +195,15 @@ def summarize(records: list[dict]) -> list[dict]:
 
 def render(rows: list[dict]) -> str:
     """Markdown: KL and perplexity increase, policy × ratio."""
-    ratio_label = lambda r: f"r={r:g}"
-    kl = report.pivot(
-        rows,
-        row_key="policy",
-        col_key="ratio",
-        cell=lambda r: report.fmt_pm(r["kl_mean"], r["kl_std"], 4, n=r["n_seeds"]),
-        col_label=ratio_label,
-    )
-    dppl = report.pivot(
-        rows,
-        row_key="policy",
-        col_key="ratio",
-        cell=lambda r: report.fmt_pm(r["ppl_increase"], r["ppl_std"], 3, n=r["n_seeds"]),
-        col_label=ratio_label,
-    )
-    agree = report.pivot(
-        rows,
-        row_key="policy",
-        col_key="ratio",
-        cell=lambda r: f"{100 * r['top1_agreement']:.1f}",
-        col_label=ratio_label,
-    )
+
+    def table(cell):
+        return report.pivot(
+            rows, row_key="policy", col_key="ratio", cell=cell, col_label=lambda r: f"r={r:g}"
+        )
+
+    kl = table(lambda r: report.fmt_pm(r["kl_mean"], r["kl_std"], 4, n=r["n_seeds"]))
+    dppl = table(lambda r: report.fmt_pm(r["ppl_increase"], r["ppl_std"], 3, n=r["n_seeds"]))
+    agree = table(lambda r: f"{100 * r['top1_agreement']:.1f}")
     ppl_full = rows[0]["ppl_full"]
     return (
         "## Mean per-step KL(P_full || P_pruned) (nats; lower is better)\n\n"

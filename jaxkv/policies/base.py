@@ -11,6 +11,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from jaxkv.kvcache import stat_names
+
 GRANULARITIES = ("shared", "layer", "head")
 TIER = 2.0  # added to the [0, 1) scores of protected slots (sinks, recent windows)
 
@@ -42,8 +44,6 @@ class Policy:
     spec: tuple = ()
 
     def __post_init__(self):
-        from jaxkv.kvcache import stat_names
-
         stat_names(self.stats)  # raises on unknown names
 
     def _identity(self):
