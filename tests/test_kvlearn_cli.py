@@ -6,6 +6,7 @@ import re
 import pytest
 
 from jaxkv.kvlearn import baselines as B
+from jaxkv.kvlearn import features as F
 from jaxkv.kvlearn import traces as T
 from jaxkv.kvlearn.cli import eval_main, train_main
 
@@ -63,7 +64,7 @@ def test_bad_trace_file_reports_line(tmp_path, capsys):
     assert "not found" in capsys.readouterr().err
 
 
-def test_trace_file_and_pretrained_prp_round_trip(tmp_path, capsys):
+def test_trace_file_and_pretrained_prp_round_trip(tmp_path, capsys, monkeypatch):
     trace = tmp_path / "trace.jsonl"
     T.save_jsonl(T.zipf_multimodal(2000, 1.1, seed=3), trace)
     ck = tmp_path / "prp"
@@ -89,6 +90,10 @@ def test_trace_file_and_pretrained_prp_round_trip(tmp_path, capsys):
     assert data["config"]["prp_checkpoint"] == str(ck) and data["config"]["n_requests"] == 2000
     assert [r["policy"] for r in data["results"]] == ["lru", "kvlearn"]
     assert eval_main(["--prp-checkpoint", str(tmp_path / "none"), "--policies", "kvlearn"]) == 2
+    capsys.readouterr()
+    monkeypatch.setattr(F, "FEATURES_VERSION", F.FEATURES_VERSION + 1)  # features changed since
+    assert eval_main(["--prp-checkpoint", str(ck), "--policies", "kvlearn"]) == 2
+    assert "features version" in capsys.readouterr().err
 
 
 def test_sweep_writes_plot_and_json(tmp_path, capsys):

@@ -121,6 +121,21 @@ def test_labels_for_a_block_hit_exactly_once():
     state = tick(state, jnp.float32(26.0), cfg=cfg)  # A's second window expires unreused
     _, y = _labels(state)
     np.testing.assert_array_equal(y, [1.0, 0.0, 0.0])
+    # each key's own labels, decayed with τ_slow: A got 1 at t=3 and 0 at t=26, B 0 at t=15
+    d = np.exp(-23.0 / cfg.tau_slow_s)
+    np.testing.assert_allclose(state.hist.table_KP[A, F.LABELS], [d, d + 1.0, 26.0], rtol=1e-6)
+    np.testing.assert_allclose(state.hist.table_KP[Bk, F.LABELS], [0.0, 1.0, 15.0], rtol=1e-6)
+    m, p = cfg.prior_labels, jnp.float32([0.3, 0.3, 0.3])
+    post = F.label_posterior(
+        state.hist, jnp.array([A, Bk, 2]), p, t=86.0, tau_s=cfg.tau_slow_s, prior_labels=m
+    )
+    w = lambda t_label: np.exp(-(86.0 - t_label) / cfg.tau_slow_s)  # weight of a label at 86 s
+    expected = [
+        (m * 0.3 + w(3.0)) / (m + w(3.0) + w(26.0)),
+        (m * 0.3 + 0.0) / (m + w(15.0)),
+        0.3,
+    ]
+    np.testing.assert_allclose(post, expected, rtol=1e-6)  # key 2 has no labels: the prior
     state = tick(state, jnp.float32(27.0), cfg=cfg)  # nothing new
     assert int(state.prp.n_labels) == 3
 
@@ -187,3 +202,30 @@ def test_batched_training_trains_only_due_runs_like_single_runs():
     assert [int(n) for n in out.n_updates] == [4, 0, 4, 4]
     trained = jax.tree.leaves(out.params)[0][0]
     assert not np.allclose(np.asarray(trained), np.asarray(jax.tree.leaves(runs[0].params)[0]))
+
+
+def test_history_features_are_rates_that_settle_under_a_steady_stream():
+    """Features 1, 2, 5, 6, 7 are rates or capped, so a key requested every 10 s looks the same
+    at 1,000 s and at 2,000 s (totals and ages would have doubled); checked against closed
+    forms."""
+    cfg = C.KVLearnConfig(max_blocks=4, max_keys=4)
+    lookup = jax.jit(C.lookup, static_argnames="cfg")
+    state = C.init(cfg, capacity_bytes=1 << 30, key=jax.random.key(0))
+    feats = {}
+    for i in range(201):
+        t = 10.0 * i
+        state, _ = lookup(state, C.Request(jnp.int32(0), jnp.int32(576), jnp.int32(1), t), cfg=cfg)
+        if i in (100, 200):
+            sig = C._signals(state)
+            kw = dict(signals=sig, cost=cfg.cost, tau_fast_s=30.0, tau_slow_s=600.0)
+            feats[t] = np.asarray(F.featurize(state.hist, 0, t=t, **kw))
+    for t, x in feats.items():
+        n = t / 10.0 + 1.0
+        slow = sum(np.exp(-10.0 * k / 600.0) for k in range(int(n)))
+        exposure = 1.0 - np.exp(-(t + 30.0) / 600.0)
+        np.testing.assert_allclose(x[1], np.log1p(slow / exposure), rtol=1e-4)
+        np.testing.assert_allclose(x[2], np.log1p(n * 30.0 / (t + 30.0)), rtol=1e-5)
+        np.testing.assert_allclose(x[[3, 4]], [0.0, np.log1p(10.0)], rtol=1e-6)
+        np.testing.assert_allclose(x[5:7], [(n - 1.0) / n, 0.0], rtol=1e-6)  # all misses: ghosts
+        np.testing.assert_allclose(x[7], np.log1p(600.0), rtol=1e-6)
+    np.testing.assert_allclose(feats[1000.0][:8], feats[2000.0][:8], rtol=0.05)

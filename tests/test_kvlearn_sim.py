@@ -203,7 +203,7 @@ def test_victim_bound_changes_no_event(policy):
         events.append([np.asarray(a) for a in (ev.hit, ev.admitted, ev.n_evicted)])
     for a, b in zip(*events, strict=True):
         np.testing.assert_array_equal(a, b)
-    assert events[0][2].sum() > 100 and events[0][2].max() >= 2  # evictions, some multiple
+    assert events[0][2].sum() > 50 and events[0][2].max() >= 2  # evictions, some multiple
 
 
 def test_inactive_admit_changes_nothing():

@@ -43,6 +43,8 @@ from flax import struct
 from jaxkv.kvlearn.cost import MIB, CostModel
 
 N_FEATURES = 16
+# Bumped whenever a feature's definition changes: a PRP trained on other features is refused.
+FEATURES_VERSION = 2
 GAP_NEVER = 1e4
 
 # Columns of the per-key history table (float32; counts are exact below 2^24).
@@ -56,7 +58,9 @@ WIN_X = slice(13, 13 + N_FEATURES)  # features stored when the key's window open
 OUT_LABEL_X = slice(13 + N_FEATURES, 13 + 2 * N_FEATURES)
 OUT_X = slice(13 + 2 * N_FEATURES, 13 + 3 * N_FEATURES)
 OUT_Y, OUT_EMIT = 13 + 3 * N_FEATURES, 14 + 3 * N_FEATURES
-N_COLS = 15 + 3 * N_FEATURES
+# The key's own labels, exponentially decayed: Σ y, Σ 1 and the time they were decayed to.
+LABELS = slice(15 + 3 * N_FEATURES, 18 + 3 * N_FEATURES)
+N_COLS = 18 + 3 * N_FEATURES
 
 
 @struct.dataclass
@@ -154,15 +158,20 @@ def featurize_rows(rows_P, *, t, signals: Signals, cost: CostModel, tau_fast_s, 
     onehot = jax.nn.one_hot(col(MODALITY).astype(jnp.int32), 3, dtype=jnp.float32)
     net = jnp.maximum(cost.net_benefit_ms(tokens), 0.0)
     scalar = lambda v: jnp.broadcast_to(v, dt.shape).astype(jnp.float32)
+    age = jnp.where(seen, t - col(FIRST_T), 0.0)
+    n = jnp.maximum(col(N_REQ), 1.0)
+    # rates, not running totals: under a stationary workload they stay in the range the replay
+    # buffer was trained on, where totals and ages grow without bound
+    exposure = 1.0 - jnp.exp(-(age + tau_fast_s) / tau_slow_s)
     cols = [
         jnp.log1p(fast),
-        jnp.log1p(slow),
-        jnp.log1p(col(N_REQ)),
+        jnp.log1p(slow / exposure),
+        jnp.log1p(col(N_REQ) * tau_fast_s / (age + tau_fast_s)),
         jnp.log1p(jnp.where(seen, dt, GAP_NEVER)),
         jnp.log1p(col(GAP)),
-        jnp.log1p(col(GHOST)),
-        jnp.log1p(col(N_EVICT)),
-        jnp.log1p(jnp.where(seen, t - col(FIRST_T), 0.0)),
+        col(GHOST) / n,
+        col(N_EVICT) / n,
+        jnp.log1p(jnp.minimum(age, tau_slow_s)),
         jnp.log(tokens),
         jnp.log(mib),
         onehot[..., 0],
@@ -173,6 +182,23 @@ def featurize_rows(rows_P, *, t, signals: Signals, cost: CostModel, tau_fast_s, 
         jnp.log1p(net),
     ]
     return jnp.stack(cols, axis=-1).astype(jnp.float32)
+
+
+def _add_label(sums, y, emit, *, t, tau_s):
+    """Label sums [..., 3] (Σ y, Σ 1, time) decayed to ``t`` plus label ``y`` where ``emit``."""
+    d = jnp.exp(-jnp.maximum(t - sums[..., 2], 0.0) / tau_s)
+    t_ = jnp.broadcast_to(t, d.shape).astype(jnp.float32)
+    new = jnp.stack([sums[..., 0] * d + y, sums[..., 1] * d + 1.0, t_], axis=-1)
+    return jnp.where(emit[..., None], new, sums)
+
+
+def label_posterior(hist: History, keys, p_hat, *, t, tau_s, prior_labels):
+    """P̂ of ``keys`` refined by their own labels: (m·P̂ + Σ y) / (m + Σ 1), both sums decayed
+    with time constant ``tau_s``; a Beta prior of m = ``prior_labels`` pseudo-labels centred on
+    the MLP's prediction ``p_hat``."""
+    sums = hist.table_KP[keys, LABELS]
+    d = jnp.exp(-jnp.maximum(t - sums[..., 2], 0.0) / tau_s)
+    return (prior_labels * p_hat + sums[..., 0] * d) / (prior_labels + sums[..., 1] * d)
 
 
 def resolve_row(row_P, *, t, horizon_s):
@@ -207,6 +233,7 @@ def record_request(
     row = hist.table_KP[key]
     x_win = row[WIN_X]
     row, y, emitted = resolve_row(row, t=t, horizon_s=horizon_s)
+    row = row.at[LABELS].set(_add_label(row[LABELS], y, emitted, t=t, tau_s=tau_slow_s))
     row = observe_row(
         row,
         t=t,
@@ -236,11 +263,13 @@ def record_request(
     return hist.replace(table_KP=table), out[OUT_X], label
 
 
-def expire_windows(hist: History, *, t, horizon_s):
-    """Closes every window older than H with label 0. Returns (hist, x_KF, mask_K)."""
+def expire_windows(hist: History, *, t, horizon_s, tau_s):
+    """Closes every window older than H with label 0 (also added to the key's label sums,
+    decayed with ``tau_s``). Returns (hist, x_KF, mask_K)."""
     mask_K = (hist.col(WIN_OPEN) > 0) & (t - hist.col(WIN_T0) > horizon_s)
     table = hist.table_KP.at[:, WIN_OPEN].set(jnp.where(mask_K, 0.0, hist.col(WIN_OPEN)))
-    return hist.replace(table_KP=table), hist.table_KP[:, WIN_X], mask_K
+    sums = _add_label(table[:, LABELS], 0.0, mask_K, t=t, tau_s=tau_s)
+    return hist.replace(table_KP=table.at[:, LABELS].set(sums)), hist.table_KP[:, WIN_X], mask_K
 
 
 def open_windows(hist: History, *, t, keys_C, x_CF, live_C, horizon_s) -> History:
