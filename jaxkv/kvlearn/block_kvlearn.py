@@ -10,42 +10,51 @@ cache:
   since its previous access, log previous reuse gap, hit in the pool, seen before (ghost
   history), log distinct children, the request's hit and seen fractions, log request length,
   log accesses of the parent, log ghost misses (requests that recomputed a block seen before),
-  log marginal saving at this depth. One request's blocks are observed and scored in one padded
-  jitted call; labels are pushed (and training rounds run) in one more. ``predictor="logistic"``
-  swaps in a numpy logistic regression (ablation).
+  log marginal saving at this depth. The optax training rounds run in the core's jitted code
+  (``prp.push_labels`` + ``prp.maybe_train``, one padded shape, so one compilation); the running
+  whitening statistics and the forward pass run in numpy on the host from the current
+  parameters (equal to ``prp.predict`` up to float rounding; the host knows when a round ran and
+  fetches the new parameters only then). ``predictor="logistic"`` swaps in a numpy logistic
+  regression (ablation).
 * **Label** (one per access): the block is requested again within H requests. H is counted in
   *requests*, not seconds (it keeps its meaning when arrivals are scaled) and follows the pool:
   H = ``horizon_mult`` × pool turnover = capacity / evictions per request (capacity / blocks per
   request before the pool first fills), i.e. "reused before the pool would have cycled?".
-  Windows opened earlier expire against the current H.
+  Windows opened earlier expire against the current H. (``turnover_from_evictions=False``
+  always uses capacity / blocks per request: an ablation.)
 * **Retention (CARS at block level, GreedyDual)**: priority = L + P̂ · s_j, s_j = R((j+1)·512) −
   R(j·512) − T(512) the time a hit on a block at depth j saves (the suffix of a cached prefix pays
   its attention over the prefix, so deep blocks save more), L = the priority of the last victim
   (inflation: blocks not touched again age out). Eviction takes the lowest priority among leaves,
   so the resident set stays prefix-closed and value per slot (= per byte) decides.
   ``retention="recency"`` uses last access + H·P̂ instead (ablation).
-* **Admission**: a computed block is admitted iff P̂ ≥ ``theta`` and its priority beats the
-  victim's (never destroy more value than is added).
+* **Admission (CARS with the write cost)**: a computed block is admitted iff its expected saving
+  P̂ · s_j exceeds the cost of writing it to the pool, T(512) on the fabric (CARS = P̂·(R − T) − U
+  with the write as the cost: break-even P̂ = T / s_j, 0.25 for a shallow block and falling with
+  depth under the A100 preset), and its priority beats the victim's (never destroy more value
+  than is added). ``theta`` adds a fixed floor P̂ ≥ θ and ``write_cost=False`` drops the write
+  cost (ablations; the previous rule was θ = 0.2 alone).
 
-Hyper-parameters (``theta`` = 0.2, ``horizon_mult`` = 2, the MLP, GreedyDual retention) were
-chosen on the first 2,000 requests of the shipped trace and on two MM-Session traces only, never
-on the reported evaluation (``docs/kvlearn.md``). Not the core's CARS/ATC code: the pool is
-counted in slots (every block one slot), there is no storage term U and θ is fixed; the adaptive
-horizon and the GreedyDual inflation L play the ATC's role of pricing space.
+Hyper-parameters (the write-cost admission without θ, ``horizon_mult`` = 2, the MLP, GreedyDual
+retention) were chosen on the first 2,000 requests of the shipped trace and on two MM-Session
+traces only, never on the reported evaluation (``docs/kvlearn.md``;
+``scripts/bench_kvlearn_serving.py --tune`` reruns the comparison). Not the core's CARS/ATC
+code: the pool is counted in slots (every block one slot) and the storage term U is not priced
+explicitly; the adaptive horizon and the GreedyDual inflation L play the ATC's role of pricing
+space.
 """
 
 from __future__ import annotations
 
 import collections
 import functools
-import math
 
 import numpy as np
 
 from jaxkv.kvlearn.serving import BlockPolicy
 
 F = 16
-_BUCKETS = (64, 128, 256, 512, 1024)
+_CHUNK = 1024  # labels per jitted push (one padded shape)
 
 
 class BlockKVLearn(BlockPolicy):
@@ -58,7 +67,7 @@ class BlockKVLearn(BlockPolicy):
         trace,
         cost,
         *,
-        theta=0.2,
+        theta=0.0,
         horizon_mult=2.0,
         horizon_min=20.0,
         predictor="mlp",
@@ -66,10 +75,13 @@ class BlockKVLearn(BlockPolicy):
         batch=256,
         seed=0,
         retention="gd",
+        write_cost=True,
+        turnover_from_evictions=True,
     ):
         super().__init__(trace, cost)
         k = trace.n_blocks
         self.theta, self.mult, self.h_min = theta, horizon_mult, horizon_min
+        self.from_evictions = turnover_from_evictions
         self.h = self.h_min
         self.cache = None
         self.n_evict = 0
@@ -81,14 +93,15 @@ class BlockKVLearn(BlockPolicy):
         self.last_i = np.full(k, -1, np.int64)
         self.gap = np.full(k, -1, np.int64)
         self.n_child = np.zeros(k, np.int64)
-        self.seen_child: set[tuple[int, int]] = set()
+        self.n_blocks = k
+        self.seen_child: set[int] = set()  # parent · n_blocks + child
         self.p_hat = np.zeros(k)
         self.open_x = np.zeros((k, F), np.float32)
         self.open_id = np.full(k, -1, np.int64)
-        self.pending: collections.deque = collections.deque()  # (opened at, b, event id)
+        self.pending: collections.deque = collections.deque()  # (request, blocks, 1st event)
         self.n_event = 0
         self.lab_x: list[np.ndarray] = []
-        self.lab_y: list[float] = []
+        self.lab_y: list[np.ndarray] = []
         self.i = 0
         if retention not in ("gd", "recency"):
             raise ValueError(f"retention must be 'gd' or 'recency', got {retention!r}")
@@ -99,6 +112,7 @@ class BlockKVLearn(BlockPolicy):
         t_blk = float(cost.transfer_ms(cost.footprint_bytes(bt)))
         j = np.arange(max((len(b) for b in trace.blocks), default=1) + 1, dtype=np.float64)
         r_j = np.asarray(cost.recompute_ms(j * bt), np.float64)
+        self.write_ms = t_blk if write_cost else -np.inf  # prefill → pool, on the fabric
         self.save_ms = np.maximum(np.diff(r_j, append=2 * r_j[-1] - r_j[-2]) - t_blk, 0.0)
         self.log_save = np.log(np.maximum(self.save_ms, 1e-3) / max(self.save_ms[0], 1e-3))
         if predictor not in ("mlp", "logistic"):
@@ -136,17 +150,25 @@ class BlockKVLearn(BlockPolicy):
             axis=1,
         ).astype(np.float32)
 
-    def _label(self, b: int, y: float) -> None:
-        self.lab_x.append(self.open_x[b].copy())
-        self.lab_y.append(y)
-        self.open_id[b] = -1
+    def _label(self, bs: np.ndarray, y: float) -> None:
+        """Closes the open windows of blocks ``bs`` with label y (features from their opening)."""
+        self.lab_x.append(self.open_x[bs])
+        self.lab_y.append(np.full(len(bs), y, np.float32))
+        self.open_id[bs] = -1
 
     def _expire(self, i: int) -> None:
-        q = self.pending  # opened in request order; the current H decides expiry
+        q = self.pending  # one entry per request, in request order; the current H decides
         while q and q[0][0] + self.h < i:
-            _, b, ev = q.popleft()
-            if self.open_id[b] == ev:
-                self._label(b, 0.0)
+            _, blocks, ev0 = q.popleft()
+            still = self.open_id[blocks] == ev0 + np.arange(len(blocks))  # not reused since
+            self._label(blocks[still], 0.0)
+
+    def _count_children(self, blocks) -> None:
+        keys = (blocks[:-1] * self.n_blocks + blocks[1:]).tolist()  # (parent, child) pairs
+        new = set(keys) - self.seen_child
+        if new:
+            self.seen_child |= new
+            np.add.at(self.n_child, np.fromiter(new, np.int64, len(new)) // self.n_blocks, 1)
 
     def on_evict(self, b: int) -> None:
         self.clock_l = max(self.clock_l, float(self.cur_prio[b]))
@@ -165,7 +187,8 @@ class BlockKVLearn(BlockPolicy):
         self.n_req += 1
         debias = 1.0 - (1.0 - a) ** self.n_req  # EMAs start at 0
         cap = self.cache.capacity if self.cache is not None else 0
-        rate = self.rate_evict if self.cache is not None and self.cache.evictions else 0.0
+        evicting = self.cache is not None and self.cache.evictions and self.from_evictions
+        rate = self.rate_evict if evicting else 0.0
         rate = (rate or self.rate_blocks) / debias
         self.h = max(self.mult * cap / max(rate, 1e-9), self.h_min)
 
@@ -174,19 +197,17 @@ class BlockKVLearn(BlockPolicy):
         self._update_horizon(len(blocks))
         self._expire(i)
         x = self.block_features(blocks, hit, i)
-        for jj, b in enumerate(blocks.tolist()):
-            if self.open_id[b] >= 0:
-                self._label(b, 1.0)
-            self.open_x[b] = x[jj]
-            self.open_id[b] = self.n_event
-            self.pending.append((i, b, self.n_event))
-            self.n_event += 1
-            if jj + 1 < len(blocks) and (b, int(blocks[jj + 1])) not in self.seen_child:
-                self.seen_child.add((b, int(blocks[jj + 1])))
-                self.n_child[b] += 1
-        if self.lab_y:
-            self.pred.learn(np.array(self.lab_x), np.array(self.lab_y, np.float32))
-            self.lab_x, self.lab_y = [], []
+        m = len(blocks)  # ids in one request are distinct (chained prefix hashes)
+        self._label(blocks[self.open_id[blocks] >= 0], 1.0)  # reused within H
+        self.open_x[blocks] = x
+        self.open_id[blocks] = self.n_event + np.arange(m)
+        self.pending.append((i, blocks, self.n_event))
+        self.n_event += m
+        self._count_children(blocks)
+        y = np.concatenate(self.lab_y)
+        if len(y):
+            self.pred.learn(np.concatenate(self.lab_x), y)
+        self.lab_x, self.lab_y = [], []
         p = self.pred.predict(x)  # observes x (whitening) even before the first training
         self.p_hat[blocks] = p if self.pred.trained else 1.0  # untrained: admit, rank by s_j
         miss = blocks[(np.arange(len(blocks)) >= hit) & (self.count[blocks] > 0)]
@@ -206,8 +227,10 @@ class BlockKVLearn(BlockPolicy):
         return (v,)
 
     def gate(self, b, i, j, now):
+        """Admit iff P̂ ≥ θ and the expected saving P̂·s_j exceeds the write cost T(512)."""
         pr = self.prio(b, i, j, now)
-        return bool(self.p_hat[b] >= self.theta), pr
+        p = self.p_hat[b]
+        return bool(p >= self.theta and (p * self.save_ms[j] > self.write_ms)), pr
 
 
 class _Logistic:
@@ -239,7 +262,10 @@ class _Logistic:
 
 
 class _MLP:
-    """The core's PRP (``prp.py``): jitted observe / predict / push / train on padded batches."""
+    """The core's PRP (``prp.py``): its optax training rounds run in one jitted call per chunk
+    of labels (one fixed shape: one compilation); the whitening statistics and the 16 → 32 → 1
+    forward pass run on the host in float32 numpy from the current parameters, which equals
+    ``prp.predict`` up to float rounding and saves a device round trip per request."""
 
     def __init__(self, *, seed: int):
         import jax
@@ -247,75 +273,71 @@ class _MLP:
         from jaxkv.kvlearn import prp
 
         self.cfg = prp.PRPConfig()
-        self.state = prp.init_prp(self.cfg, key=jax.random.key(seed))
+        self.state = _jitted().init(self.cfg, key=jax.random.key(seed))
         self.key = jax.random.key(seed + 1)
         self.step = 0
-        self._trained = False
-        self._jax = jax
+        self.trained = False
+        self.labels_since = 0  # mirrors state.labels_since, so training rounds are known here
+        self.n_obs = np.float32(0.0)
+        self.mean_F = np.zeros(F, np.float32)
+        self.m2_F = np.zeros(F, np.float32)
+        self.var_floor = np.float32(prp._VAR_FLOOR)
+        self._get = jax.device_get
+        self.params = self._get(self.state.params)
 
-    @property
-    def trained(self) -> bool:
-        self._trained = self._trained or int(self.state.n_updates) > 0
-        return self._trained
-
-    def predict(self, x):
-        n = len(x)
-        size = next((s for s in _BUCKETS if s >= n), _bucket(n))
-        xp = np.zeros((size, F), np.float32)
-        xp[:n] = x
-        mask = np.arange(size) < n
-        self.state, p = _observe_predict(self.state, xp, mask, cfg=self.cfg)
-        return np.asarray(p)[:n]
+    def predict(self, x_BF):
+        """Observes the rows (batched Welford, Chan et al.), then P̂ with the new statistics."""
+        nb = np.float32(len(x_BF))
+        mean_b = x_BF.mean(0, dtype=np.float32)
+        m2_b = ((x_BF - mean_b) ** 2).sum(0, dtype=np.float32)
+        n = self.n_obs + nb
+        delta = mean_b - self.mean_F
+        self.mean_F = self.mean_F + delta * nb / n
+        self.m2_F = self.m2_F + m2_b + delta**2 * self.n_obs * nb / n
+        self.n_obs = n
+        inv_std_F = 1.0 / np.sqrt(self.m2_F / n + self.var_floor)
+        return _forward(self.params, (x_BF - self.mean_F) * inv_std_F)
 
     def learn(self, x, y):
-        for s in range(0, len(y), _BUCKETS[-1]):
-            xs, ys = x[s : s + _BUCKETS[-1]], y[s : s + _BUCKETS[-1]]
-            n = len(ys)
-            size = next(b for b in _BUCKETS if b >= n)
-            xp = np.zeros((size, F), np.float32)
-            yp = np.zeros(size, np.float32)
-            xp[:n], yp[:n] = xs, ys
+        for s in range(0, len(y), _CHUNK):
+            n = len(y[s : s + _CHUNK])
+            xp = np.zeros((_CHUNK, F), np.float32)
+            yp = np.zeros(_CHUNK, np.float32)
+            xp[:n], yp[:n] = x[s : s + _CHUNK], y[s : s + _CHUNK]
             self.step += 1
-            key = self._jax.random.fold_in(self.key, self.step)
-            self.state = _push_train(self.state, xp, yp, np.arange(size) < n, key, cfg=self.cfg)
+            stats = (self.n_obs, self.mean_F, self.m2_F)
+            args = (self.state, stats, xp, yp, np.arange(_CHUNK) < n, self.key, self.step)
+            self.state = _jitted().push_train(*args, cfg=self.cfg)
+            self.labels_since += n
+            if self.labels_since >= self.cfg.train_every:  # prp.maybe_train ran a round
+                self.labels_since -= self.cfg.train_every
+                self.trained = True
+                self.params = self._get(self.state.params)
 
 
-def _bucket(n: int) -> int:
-    return 1 << max(int(math.ceil(math.log2(n))), 6)
+def _forward(params, z_BF):
+    """σ(PRPNet(z)) in numpy: Dense(32) → ReLU → Dense(1), flax's parameter layout."""
+    d0, d1 = params["Dense_0"], params["Dense_1"]
+    h_BH = np.maximum(z_BF @ d0["kernel"] + d0["bias"], 0.0)
+    logit_B = (h_BH @ d1["kernel"] + d1["bias"])[:, 0]
+    with np.errstate(over="ignore"):  # exp(−logit) → inf gives P̂ = 0, as it should
+        return 1.0 / (1.0 + np.exp(-logit_B))
 
 
 @functools.cache
 def _jitted():
+    import types
+
     import jax
-    import jax.numpy as jnp
 
     from jaxkv.kvlearn import prp
 
     @functools.partial(jax.jit, static_argnames="cfg", donate_argnums=0)
-    def observe_predict(state, x_BF, mask_B, *, cfg):
-        # batched Welford (Chan et al.) over the masked rows, then predict with the new stats
-        w_B = mask_B.astype(jnp.float32)
-        nb = jnp.sum(w_B)
-        mean_b = jnp.sum(x_BF * w_B[:, None], 0) / jnp.maximum(nb, 1.0)
-        m2_b = jnp.sum(((x_BF - mean_b) ** 2) * w_B[:, None], 0)
-        n = state.n_obs + nb
-        delta = mean_b - state.mean_F
-        mean = state.mean_F + delta * nb / jnp.maximum(n, 1.0)
-        m2 = state.m2_F + m2_b + delta**2 * state.n_obs * nb / jnp.maximum(n, 1.0)
-        state = state.replace(n_obs=n, mean_F=mean, m2_F=m2)
-        return state, prp.predict(state, x_BF, cfg=cfg)
-
-    @functools.partial(jax.jit, static_argnames="cfg", donate_argnums=0)
-    def push_train(state, x_BF, y_B, mask_B, key, *, cfg):
+    def push_train(state, stats, x_BF, y_B, mask_B, key, step, *, cfg):
+        n_obs, mean_F, m2_F = stats  # the host's whitening statistics, used by the round
+        state = state.replace(n_obs=n_obs, mean_F=mean_F, m2_F=m2_F)
         state = prp.push_labels(state, x_BF, y_B, mask_B)
-        return prp.maybe_train(state, key=key, cfg=cfg)
+        return prp.maybe_train(state, key=jax.random.fold_in(key, step), cfg=cfg)
 
-    return observe_predict, push_train
-
-
-def _observe_predict(state, x, mask, *, cfg):
-    return _jitted()[0](state, x, mask, cfg=cfg)
-
-
-def _push_train(state, x, y, mask, key, *, cfg):
-    return _jitted()[1](state, x, y, mask, key, cfg=cfg)
+    init = jax.jit(prp.init_prp, static_argnums=0)  # one compilation, not one per op
+    return types.SimpleNamespace(init=init, push_train=push_train)

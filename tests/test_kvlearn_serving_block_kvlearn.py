@@ -1,0 +1,157 @@
+"""Block KVLearn internals: the write-cost admission rule by hand, the host-side PRP forward pass
+and training bookkeeping against the core's ``prp``, and the label windows."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from jaxkv.kvlearn import prp
+from jaxkv.kvlearn import serving as SV
+from jaxkv.kvlearn.block_kvlearn import _MLP, BlockKVLearn
+from jaxkv.kvlearn.cost import CostModel
+from jaxkv.kvlearn.prefix import PrefixCache
+
+COST = CostModel.llama3_8b_a100()
+BT = 512
+
+
+def _trace(tmp_path, hashes):
+    lines = [
+        json.dumps(
+            {"timestamp": 1000 * i, "input_length": BT * len(h), "output_length": 1, "hash_ids": h}
+        )
+        for i, h in enumerate(hashes)
+    ]
+    (tmp_path / "t.jsonl").write_text("\n".join(lines) + "\n")
+    return SV.load_mooncake_trace(tmp_path / "t.jsonl")
+
+
+# LLaMA-3-8B / A100 by hand: |512 tokens| = 512 · 2·32·8·128·2 B = 64 MiB; T = 2^26 B / 25e9 B/s
+# = 2.68435456 ms. R(L) = max(0.026 L, 8e-6 L²): s_0 = R(512) − R(0) − T = 13.312 − 2.68435456
+# = 10.62764544 ms (break-even P̂ = 0.2526); s_10 = R(5632) − R(5120) − T = 253.755392 −
+# 209.7152 − 2.68435456 = 41.35583744 ms (break-even P̂ = 0.0649).
+T_BLOCK = 2.68435456
+S_0, S_10 = 10.62764544, 41.35583744
+
+
+def test_save_and_write_cost_match_the_hand_computation(tmp_path):
+    pol = BlockKVLearn(_trace(tmp_path, [list(range(12))]), COST, predictor="logistic")
+    assert pol.write_ms == pytest.approx(T_BLOCK, rel=1e-12)
+    assert pol.save_ms[0] == pytest.approx(S_0, rel=1e-12)
+    assert pol.save_ms[10] == pytest.approx(S_10, rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "p_hat, j, theta, write_cost, admit",
+    [
+        (0.25, 0, 0.0, True, False),  # 0.25 · 10.63 = 2.657 ms < T = 2.684 ms: not worth a write
+        (0.26, 0, 0.0, True, True),  # 2.763 ms > 2.684 ms
+        (0.25, 10, 0.0, True, True),  # deep block: 0.25 · 41.36 = 10.34 ms > T
+        (0.06, 10, 0.0, True, False),  # 0.06 · 41.36 = 2.481 ms < T
+        (0.25, 0, 0.0, False, True),  # without the write cost only θ decides
+        (0.10, 10, 0.2, True, False),  # 4.14 ms > T, but P̂ < θ
+        (0.25, 0, 0.2, True, False),  # P̂ ≥ θ, but the saving is below the write cost
+    ],
+)
+def test_admission_needs_expected_saving_above_the_write_cost(
+    tmp_path, p_hat, j, theta, write_cost, admit
+):
+    tr = _trace(tmp_path, [list(range(12))])
+    pol = BlockKVLearn(tr, COST, theta=theta, write_cost=write_cost, predictor="logistic")
+    pol.p_hat[j] = p_hat
+    ok, prio = pol.gate(j, 0, j, 0.0)
+    assert ok is admit
+    assert prio == (pytest.approx(p_hat * pol.save_ms[j]),)  # GreedyDual, L = 0
+
+
+def test_simulated_pool_refuses_blocks_below_the_write_cost(tmp_path):
+    # a constant predictor P̂ = 0.2 (≥ θ = 0.2): with a 512-token block at the bandwidth-bound
+    # depths 0..5 a hit saves 10.63 ms, 0.2 · 10.63 < T, so nothing shallow is admitted
+    tr = _trace(tmp_path, [[0, 1, 2]] * 5)
+
+    class Const:
+        trained = True
+
+        def learn(self, x, y):
+            pass
+
+        def predict(self, x):
+            return np.full(len(x), 0.2)
+
+    for write_cost, admits in ((True, 0), (False, 3)):
+        pol = BlockKVLearn(tr, COST, theta=0.2, write_cost=write_cost, predictor="logistic")
+        pol.pred = Const()
+        cache = PrefixCache(10, n_blocks=tr.n_blocks)
+        cache.on_evict = pol.on_evict
+        pol.attach(cache)
+        counts = {"admits": 0, "discards": 0}
+        rec = {"start_s": np.zeros(5), "service_ms": np.zeros(5), "admitted_tokens": np.zeros(5)}
+        pol.on_access(tr.blocks[0], 0, 0, 0.0)
+        SV._offer(cache, pol, tr, 0, 0, rec, counts)
+        assert counts["admits"] == admits
+
+
+def _feed(m, rng, n_labels):
+    x = rng.normal(size=(n_labels, 16)).astype(np.float32)
+    m.learn(x, (x[:, 0] > 0).astype(np.float32))
+
+
+def test_host_forward_equals_prp_predict_and_training_is_mirrored():
+    rng = np.random.default_rng(0)
+    m = _MLP(seed=0)
+    seen = []
+    for n_rows, n_labels in ((30, 60), (7, 60), (200, 1500), (1, 0), (50, 99)):
+        x = (rng.normal(size=(n_rows, 16)) * rng.uniform(0.1, 5, 16) + 3).astype(np.float32)
+        p = m.predict(x)  # observes x first
+        seen.append(x)
+        state = m.state.replace(n_obs=m.n_obs, mean_F=m.mean_F, m2_F=m.m2_F)
+        np.testing.assert_allclose(p, prp.predict(state, x, cfg=m.cfg), rtol=1e-5, atol=1e-6)
+        if n_labels:
+            _feed(m, rng, n_labels)
+        # the host knows when prp.maybe_train ran a round, and holds its parameters
+        assert m.labels_since == int(m.state.labels_since)
+        assert m.trained == (int(m.state.n_updates) > 0)
+        for a, b in zip(jax.tree.leaves(m.params), jax.tree.leaves(m.state.params), strict=True):
+            np.testing.assert_array_equal(a, np.asarray(b))
+    allx = np.concatenate(seen).astype(np.float64)
+    assert float(m.n_obs) == len(allx)
+    np.testing.assert_allclose(m.mean_F, allx.mean(0), rtol=1e-5)
+    np.testing.assert_allclose(m.m2_F / m.n_obs, allx.var(0), rtol=1e-4)
+    # at most one round per pushed chunk: 60; 120 → round, 20; + 1024 → round, 944; + 476 →
+    # round, 1320; + 99 → round, 1319
+    assert int(m.state.n_updates) == 4 * m.cfg.updates_per_round
+    assert m.labels_since == 1319
+
+
+def test_label_windows_close_on_reuse_or_after_the_horizon(tmp_path):
+    hashes = [[0, 1], [0, 2]] + [[10 + k] for k in range(25)] + [[0, 1]]
+    tr = _trace(tmp_path, hashes)
+    pol = BlockKVLearn(tr, COST, predictor="logistic", horizon_min=20.0)
+    pol.attach(PrefixCache(1, n_blocks=tr.n_blocks))  # H = max(2 · 1 / blocks per req, 20)
+
+    labels = []
+
+    class Record:
+        trained = False
+
+        def learn(self, x, y):
+            labels.append((i, y.tolist()))
+
+        def predict(self, x):
+            return np.zeros(len(x))
+
+    pol.pred = Record()
+    for i, blk in enumerate(tr.blocks):
+        pol.on_access(blk, 0, i, 0.0)
+    assert pol.h == 20.0
+    # request 1 reuses block 0 (label 1); request 0's block 1 expires at 21 (0 + 20 < 21),
+    # request 1's blocks 0 and 2 at 22, request k's single block at k + 21
+    assert labels[0] == (1, [1.0])
+    assert labels[1] == (21, [0.0])
+    assert labels[2] == (22, [0.0, 0.0])
+    assert labels[3:] == [(k, [0.0]) for k in range(23, 28)]  # requests 2..6 expire
+    # request 27 reopens blocks 0 and 1, whose windows had closed: no label 1 for them
+    assert pol.n_child[0] == 2  # children 1 and 2; the repeated pair (0, 1) counts once
+    assert pol.count[0] == 3 and pol.count[1] == 2
