@@ -155,3 +155,14 @@ def test_label_windows_close_on_reuse_or_after_the_horizon(tmp_path):
     # request 27 reopens blocks 0 and 1, whose windows had closed: no label 1 for them
     assert pol.n_child[0] == 2  # children 1 and 2; the repeated pair (0, 1) counts once
     assert pol.count[0] == 3 and pol.count[1] == 2
+
+
+def test_horizon_follows_the_turnover_between_its_bounds(tmp_path):
+    """H = 2 × capacity / blocks per request before the pool evicts, clipped to [20, 800]."""
+    tr = _trace(tmp_path, [[k, k + 100] for k in range(60)])  # 2 blocks per request
+    for cap, expected in ((4, 20.0), (100, 100.0), (10_000, 800.0)):
+        pol = BlockKVLearn(tr, COST, predictor="logistic")
+        pol.attach(PrefixCache(cap, n_blocks=tr.n_blocks))
+        for _ in range(2000):  # the EMA of blocks per request settles at 2
+            pol._update_horizon(2)
+        assert pol.h == pytest.approx(expected, rel=1e-6)

@@ -20,8 +20,11 @@ cache:
   *requests*, not seconds (it keeps its meaning when arrivals are scaled) and follows the pool:
   H = ``horizon_mult`` × pool turnover = capacity / evictions per request (capacity / blocks per
   request before the pool first fills), i.e. "reused before the pool would have cycled?".
-  Windows opened earlier expire against the current H. (``turnover_from_evictions=False``
-  always uses capacity / blocks per request: an ablation.)
+  Windows opened earlier expire against the current H. H is capped at ``horizon_max`` = 800
+  requests: in a pool that rarely evicts the turnover outgrows the trace, no window ever
+  expires, the PRP sees only positives and admits every block (at the 50 % pool 71 % of the
+  admitted blocks were never requested again). (``turnover_from_evictions=False`` always uses
+  capacity / blocks per request: an ablation.)
 * **Retention (CARS at block level, GreedyDual)**: priority = L + P̂ · s_j, s_j = R((j+1)·512) −
   R(j·512) − T(512) the time a hit on a block at depth j saves (the suffix of a cached prefix pays
   its attention over the prefix, so deep blocks save more), L = the priority of the last victim
@@ -35,9 +38,10 @@ cache:
   than is added). ``theta`` adds a fixed floor P̂ ≥ θ and ``write_cost=False`` drops the write
   cost (ablations; the previous rule was θ = 0.2 alone).
 
-Hyper-parameters (the write-cost admission without θ, ``horizon_mult`` = 2, the MLP, GreedyDual
-retention) were chosen on the first 2,000 requests of the shipped trace and on two MM-Session
-traces only, never on the reported evaluation (``docs/kvlearn.md``;
+Hyper-parameters (the write-cost admission without θ, ``horizon_mult`` = 2, ``horizon_max`` =
+800 of {300, 800, ∞}, the MLP, GreedyDual retention) were chosen on the first 2,000 requests of
+the shipped trace and on two MM-Session traces only, never on the reported evaluation
+(``docs/kvlearn.md``;
 ``scripts/bench_kvlearn_serving.py --tune`` reruns the comparison). Not the core's CARS/ATC
 code: the pool is counted in slots (every block one slot) and the storage term U is not priced
 explicitly; the adaptive horizon and the GreedyDual inflation L play the ATC's role of pricing
@@ -70,6 +74,7 @@ class BlockKVLearn(BlockPolicy):
         theta=0.0,
         horizon_mult=2.0,
         horizon_min=20.0,
+        horizon_max=800.0,
         predictor="mlp",
         lr=0.05,
         batch=256,
@@ -80,7 +85,8 @@ class BlockKVLearn(BlockPolicy):
     ):
         super().__init__(trace, cost)
         k = trace.n_blocks
-        self.theta, self.mult, self.h_min = theta, horizon_mult, horizon_min
+        self.theta, self.mult = theta, horizon_mult
+        self.h_min, self.h_max = horizon_min, horizon_max
         self.from_evictions = turnover_from_evictions
         self.h = self.h_min
         self.cache = None
@@ -190,7 +196,7 @@ class BlockKVLearn(BlockPolicy):
         evicting = self.cache is not None and self.cache.evictions and self.from_evictions
         rate = self.rate_evict if evicting else 0.0
         rate = (rate or self.rate_blocks) / debias
-        self.h = max(self.mult * cap / max(rate, 1e-9), self.h_min)
+        self.h = min(max(self.mult * cap / max(rate, 1e-9), self.h_min), self.h_max)
 
     def on_access(self, blocks, hit, i, now):
         self.i = i

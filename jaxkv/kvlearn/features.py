@@ -9,13 +9,14 @@ windows, admission, hits and re-scoring at ``tick``):
 
 ====  ===================================================================================
  0    log1p(fast decayed request count), τ = ``tau_fast_s`` (recent popularity)
- 1    log1p(slow decayed request count), τ = ``tau_slow_s`` (long-run popularity)
- 2    log1p(total requests for k)
+ 1    log1p(slow decayed count / (1 − exp(−(age + τ_fast)/τ_slow))), τ_slow = ``tau_slow_s``:
+      the long-run rate, corrected for a key younger than τ_slow
+ 2    log1p(requests · τ_fast / (age + τ_fast)): the mean rate since the first request
  3    log1p(t − last request time) (recency, s)
  4    log1p(last inter-request gap) (s; ``GAP_NEVER`` before a second request)
- 5    log1p(ghost hits): requests that missed although k had been seen before
- 6    log1p(times k was evicted)
- 7    log1p(t − first request time) (age of the prefix, s)
+ 5    ghost hits per request: requests that missed although k had been seen before
+ 6    evictions of k per request
+ 7    log1p(min(age, τ_slow)) (age = t − first request, s)
  8    log(prefix length in tokens)
  9    log(footprint in MiB)
 10    modality: text (one-hot)
@@ -26,12 +27,17 @@ windows, admission, hits and re-scoring at ``tick``):
 15    log1p(R − T): ms one reuse saves
 ====  ===================================================================================
 
+All are rates, recencies or capped: a running total or an age grows without bound, so the
+replay buffer would always describe a range the keys have left (``FEATURES_VERSION`` 2; version
+1 used log1p of the totals and of the age).
+
 Labels (one per key per horizon H): a *window* opens for key k when none is open and the
 previous one opened ≥ H ago, at a request for k or, while k's block is resident, at a tick; it
 stores the features at that moment (the admission or re-scoring features). The next
 request for k within H closes it with label 1 (a block reused exactly once counts); if H passes
 without one, the next tick (or request) closes it with label 0. Outcomes come from the request
 stream, so windows of evicted and discarded keys are labelled too, without bias from eviction.
+Each key also keeps its own labels, decayed with τ_slow (``label_posterior``).
 """
 
 from __future__ import annotations
