@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Regenerates every KVLearn result in results/kvlearn/ (about 15 minutes on a 2-core CPU).
+# Regenerates every KVLearn result in results/kvlearn/ (about 25 minutes on a 2-core CPU).
 #   bash scripts/bench_kvlearn_all.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,3 +19,15 @@ python scripts/bench_kvlearn_api.py --blocks 100000 --repeats 200 --json "$OUT/a
 run train_main --n-requests 20000 --alpha 1.1 --pool-gib 4 --epochs 10 --out "$OUT/prp_pretrained" | tee "$OUT/train.txt"
 run eval_main 3000 1.1 4 --prp-checkpoint "$OUT/prp_pretrained" --json "$OUT/cli_3000_1.1_4_pretrained.json" \
   | tee "$OUT/cli_3000_1.1_4_pretrained.txt"
+
+# Serving scale (Mooncake trace): goals, speed, the CLI example, the load sweep, MM-Session.
+TRACE=../shared/data/mooncake_traces/synthetic_trace.jsonl
+python scripts/bench_kvlearn_serving.py --out "$OUT"
+python scripts/bench_kvlearn_serving.py --speed --out "$OUT"
+run eval_main --trace "$TRACE" --pool-gib 686 --prefill-nodes 24 --load-scale 1 \
+  --json "$OUT/serving_cli_686gib.json" | tee "$OUT/serving_cli_686gib.txt"
+run eval_main --trace "$TRACE" --sweep --fracs 0.05,0.1,0.25,0.5 --loads 0.5,1,1.5,2 \
+  --plot "$OUT/serving_sweep.png" --json "$OUT/serving_sweep.json" | tee "$OUT/serving_sweep.txt"
+MM=$(mktemp -d)/mm.jsonl
+python -m jaxkv.kvlearn.mmsession --sessions 1500 --seed 0 --out "$MM"
+run eval_main --trace "$MM" --pool-frac 0.1 --prefill-nodes 4 | tee "$OUT/serving_mmsession_cli.txt"
