@@ -118,7 +118,7 @@ class AdmitResult:
     admitted: jax.Array
     n_evicted: jax.Array
     evicted_keys: jax.Array  # [V] key ids of the victims in eviction order, -1 padded
-    p_hat: jax.Array
+    p_hat: jax.Array  # the P̂ decided with: the MLP's, refined by the key's labels (prior_labels)
     cars_ms: jax.Array
     density: jax.Array
     theta: jax.Array

@@ -166,8 +166,8 @@ def featurize_rows(rows_P, *, t, signals: Signals, cost: CostModel, tau_fast_s, 
     scalar = lambda v: jnp.broadcast_to(v, dt.shape).astype(jnp.float32)
     age = jnp.where(seen, t - col(FIRST_T), 0.0)
     n = jnp.maximum(col(N_REQ), 1.0)
-    # rates, not running totals: under a stationary workload they stay in the range the replay
-    # buffer was trained on, where totals and ages grow without bound
+    # rates, not running totals: totals and ages grow without bound, so the replay buffer would
+    # always describe a range the keys have already left
     exposure = 1.0 - jnp.exp(-(age + tau_fast_s) / tau_slow_s)
     cols = [
         jnp.log1p(fast),
