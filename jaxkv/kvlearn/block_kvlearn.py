@@ -287,7 +287,7 @@ class _MLP:
         self.n_obs = np.float32(0.0)
         self.mean_F = np.zeros(F, np.float32)
         self.m2_F = np.zeros(F, np.float32)
-        self.var_floor = np.float32(prp._VAR_FLOOR)
+        self.var_floor = np.float32(prp.VAR_FLOOR)
         self._get = jax.device_get
         self.params = self._get(self.state.params)
 

@@ -18,7 +18,7 @@ from flax import struct
 
 from jaxkv.kvlearn.features import N_FEATURES
 
-_VAR_FLOOR = 1e-4
+VAR_FLOOR = 1e-4  # added to the variance in whitening (std floored at 0.01)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +116,7 @@ def whiten(state: PRPState, x_F):
 
 def _whiten(n_obs, mean_F, m2_F, x_F):
     var = m2_F / jnp.maximum(n_obs, 1.0)
-    return (x_F - mean_F) * jax.lax.rsqrt(var + _VAR_FLOOR)
+    return (x_F - mean_F) * jax.lax.rsqrt(var + VAR_FLOOR)
 
 
 def logits(params, x_whitened_F, *, hidden: int):
