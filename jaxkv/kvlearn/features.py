@@ -190,21 +190,25 @@ def featurize_rows(rows_P, *, t, signals: Signals, cost: CostModel, tau_fast_s, 
     return jnp.stack(cols, axis=-1).astype(jnp.float32)
 
 
-def _add_label(sums, y, emit, *, t, tau_s):
-    """Label sums [..., 3] (Σ y, Σ 1, time) decayed to ``t`` plus label ``y`` where ``emit``."""
+def _decayed(sums, *, t, tau_s):
+    """(Σ y, Σ 1) of label sums [..., 3] (Σ y, Σ 1, time) decayed to ``t``."""
     d = jnp.exp(-jnp.maximum(t - sums[..., 2], 0.0) / tau_s)
-    t_ = jnp.broadcast_to(t, d.shape).astype(jnp.float32)
-    new = jnp.stack([sums[..., 0] * d + y, sums[..., 1] * d + 1.0, t_], axis=-1)
-    return jnp.where(emit[..., None], new, sums)
+    return sums[..., 0] * d, sums[..., 1] * d
+
+
+def _add_label(sums, y, emit, *, t, tau_s):
+    """Label sums [..., 3] decayed to ``t`` plus label ``y`` where ``emit``."""
+    pos, n = _decayed(sums, t=t, tau_s=tau_s)
+    t_ = jnp.broadcast_to(t, pos.shape).astype(jnp.float32)
+    return jnp.where(emit[..., None], jnp.stack([pos + y, n + 1.0, t_], axis=-1), sums)
 
 
 def label_posterior(hist: History, keys, p_hat, *, t, tau_s, prior_labels):
     """P̂ of ``keys`` refined by their own labels: (m·P̂ + Σ y) / (m + Σ 1), both sums decayed
     with time constant ``tau_s``; a Beta prior of m = ``prior_labels`` pseudo-labels centred on
     the MLP's prediction ``p_hat``."""
-    sums = hist.table_KP[keys, LABELS]
-    d = jnp.exp(-jnp.maximum(t - sums[..., 2], 0.0) / tau_s)
-    return (prior_labels * p_hat + sums[..., 0] * d) / (prior_labels + sums[..., 1] * d)
+    pos, n = _decayed(hist.table_KP[keys, LABELS], t=t, tau_s=tau_s)
+    return (prior_labels * p_hat + pos) / (prior_labels + n)
 
 
 def resolve_row(row_P, *, t, horizon_s):
