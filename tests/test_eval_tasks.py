@@ -1,4 +1,4 @@
-"""Task builders on the real shared data and on small files the tests write."""
+"""Task builders on the data shipped with jaxkv and on small files the tests write."""
 
 import dataclasses
 import json
@@ -8,12 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxkv.evals import data as D
+from jaxkv import data as D
 from jaxkv.evals import metrics as M
 from jaxkv.evals import tasks as T
 
-DATA = D.default_data_dir()
-needs_data = pytest.mark.skipif(not DATA.is_dir(), reason=f"shared data not at {DATA}")
+DATA = D.shipped_data_dir()
 
 
 def _word_ids():
@@ -27,8 +26,8 @@ def _word_ids():
 
 def test_default_data_dir_and_env_override(monkeypatch, tmp_path):
     monkeypatch.delenv(D.DATA_DIR_ENV, raising=False)
-    repo = Path(T.__file__).resolve().parents[2]
-    assert D.default_data_dir() == repo.parent / "shared" / "data"
+    assert D.default_data_dir() == Path(T.__file__).resolve().parents[1] / "data"
+    assert (D.default_data_dir() / "gsm8k" / "test.jsonl").is_file()
     monkeypatch.setenv(D.DATA_DIR_ENV, str(tmp_path))
     assert D.default_data_dir() == tmp_path
     with pytest.raises(FileNotFoundError, match=re.escape(str(tmp_path / "gsm8k"))):
@@ -53,7 +52,6 @@ def test_example_is_frozen():
 # ---- GSM8K ---------------------------------------------------------------------------------------
 
 
-@needs_data
 def test_gsm8k_prompt_has_the_8_exemplars_and_targets_parse():
     spec = json.loads((DATA / "gsm8k/lm_eval_harness/gsm8k_cot_8shot_exemplars.json").read_text())
     records = [json.loads(line) for line in (DATA / "gsm8k/test.jsonl").read_text().splitlines()]
@@ -72,7 +70,6 @@ def test_gsm8k_prompt_has_the_8_exemplars_and_targets_parse():
         assert M.gsm8k_extract(" " + shot["target"]) == stated
 
 
-@needs_data
 def test_gsm8k_all_test_targets_are_numbers_and_options():
     examples = T.gsm8k_examples(n_shot=0)
     assert len(examples) == 1319
@@ -88,7 +85,6 @@ def test_gsm8k_all_test_targets_are_numbers_and_options():
 # ---- BBH -----------------------------------------------------------------------------------------
 
 
-@needs_data
 def test_bbh_prompt_format():
     examples = T.bbh_examples("date_understanding", limit=3)
     assert len(examples) == 3
@@ -100,14 +96,12 @@ def test_bbh_prompt_format():
         assert re.fullmatch(r"\([A-F]\)", ex.target)
 
 
-@needs_data
 def test_bbh_unknown_task_lists_valid_ones():
     with pytest.raises(ValueError, match="unknown BBH task 'date'.*date_understanding"):
         T.bbh_examples("date")
     assert len(T.bbh_tasks()) == 27
 
 
-@needs_data
 def test_bbh_exemplar_answers_extract_to_target_values():
     """For each task, the 3 exemplar answers extract to values of the task's target kind."""
     for task in T.bbh_tasks():
@@ -141,7 +135,6 @@ def _record(i, **extra):
     }
 
 
-@needs_data
 def test_longbench_reads_and_formats(tmp_path):
     path = _write_jsonl(tmp_path / "hotpotqa_e.jsonl", [_record(0), "\n", _record(1)])
     examples = T.longbench_examples(path)
@@ -160,7 +153,6 @@ def test_longbench_reads_and_formats(tmp_path):
     assert len(T.longbench_examples(path, limit=1)) == 1
 
 
-@needs_data
 def test_longbench_classification_meta(tmp_path):
     row = _record(0, answers=["Location"], all_classes=["Location", "Human being"])
     path = _write_jsonl(tmp_path / "data.jsonl", [row])
@@ -180,7 +172,6 @@ def test_longbench_classification_meta(tmp_path):
         T.longbench_examples(missing)
 
 
-@needs_data
 def test_longbench_malformed_line_reports_its_number(tmp_path):
     path = _write_jsonl(tmp_path / "hotpotqa.jsonl", [_record(0), _record(1), '{"input": oops\n'])
     with pytest.raises(ValueError, match=r"hotpotqa\.jsonl:3: malformed JSON"):
@@ -192,7 +183,6 @@ def test_longbench_malformed_line_reports_its_number(tmp_path):
         next(it)
 
 
-@needs_data
 def test_longbench_missing_field_and_bad_names(tmp_path):
     bad = _record(1)
     del bad["answers"]
@@ -211,7 +201,6 @@ def test_longbench_missing_field_and_bad_names(tmp_path):
         T.longbench_examples(tmp_path / "absent.jsonl", dataset="hotpotqa")
 
 
-@needs_data
 def test_longbench_config_metric_names_are_registered():
     config = T.load_longbench_config()
     english = {d: m for d, m in config.metric.items() if not m.endswith("zh_score")}
@@ -257,7 +246,6 @@ def test_passkey_key_depth_and_count_callback():
         T.passkey_examples(n_tokens=20, n=1, seed=0, tokenizer=str.split, filler=filler)
 
 
-@needs_data
 def test_needle_prompts():
     examples = T.needle_examples(n_tokens=1000, n=3, seed=0, tokenizer=str.split, n_distractors=2)
     for ex in examples:
@@ -316,7 +304,6 @@ def test_text_windows_errors(tmp_path):
         T.text_windows(short, window=0, n_windows=1, tokenizer=_word_ids())
 
 
-@needs_data
 def test_text_windows_default_is_tinyshakespeare_tail():
     windows = T.text_windows(window=128, n_windows=4, tokenizer=_word_ids())
     assert windows.shape == (4, 128)

@@ -6,11 +6,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from jaxkv import data as data_lib
 from jaxkv.kvlearn import traces as T
 
-MOONCAKE = (
-    Path(__file__).resolve().parents[1].parent / "shared/data/mooncake_traces/synthetic_trace.jsonl"
-)
+MOONCAKE = data_lib.data_file(data_lib.MOONCAKE_EXAMPLE)
 
 
 def test_catalog_matches_readme_workload():
@@ -119,7 +118,6 @@ def test_mooncake_blocks(tmp_path):
         T.load_mooncake(path)
 
 
-@pytest.mark.skipif(not MOONCAKE.is_file(), reason="shared Mooncake trace not present")
 def test_real_mooncake_trace_loads():
     tr = T.load_mooncake(MOONCAKE)
     assert len(tr) == 121_877

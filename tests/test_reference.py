@@ -10,6 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from jaxkv import data as data_lib  # noqa: E402
 from jaxkv import generate_tokens, kvcache  # noqa: E402
 from jaxkv.eviction import Compression  # noqa: E402
 from jaxkv.generate import teacher_forced  # noqa: E402
@@ -17,7 +18,7 @@ from jaxkv.model import decoder  # noqa: E402
 from jaxkv.model.loading import embedded_model_path, load_model, load_safetensors  # noqa: E402
 from jaxkv.policies.base import get_policy  # noqa: E402
 
-SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared/data/tinyshakespeare"
+SHAKESPEARE = data_lib.shipped_data_dir() / "tinyshakespeare"
 
 
 def _tiny_mistral(tmp_path, *, n_heads, n_kv_heads, window):

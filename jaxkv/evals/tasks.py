@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxkv.evals import data as data_lib
+from jaxkv import data as data_lib
 from jaxkv.evals import metrics
 
 PathLike = str | os.PathLike

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxkv.evals.data import default_data_dir, read_jsonl, read_text
+from jaxkv.data import default_data_dir, read_jsonl, read_text
 from jaxkv.evals.tasks import split_heldout
 
 

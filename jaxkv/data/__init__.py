@@ -1,12 +1,20 @@
-"""Where the evaluation data lives and how its files are read.
+"""The data jaxkv ships, and how its files are read.
 
-The shared data folder is ``<repo>/../shared/data`` (the checkout's sibling ``shared``), unless the
-environment variable ``JAXKV_DATA_DIR`` names another one; every loader also takes an explicit
-``data_dir`` / path argument, which wins over both.
+This package holds the small public data the main job, the evaluation suite and training read
+(each folder with its licence): ``tinyshakespeare/`` (text for fidelity and training),
+``gsm8k/`` (train, test and the 8 chain-of-thought exemplars), ``bbh/`` (27 BIG-Bench Hard tasks
+and their 3-shot prompts), ``longbench/config/`` (templates and metrics; LongBench's data itself
+is not shipped) and ``mooncake_traces/synthetic_trace.jsonl`` (the Mooncake example trace).
+See ``README.md`` here for sources and licences.
+
+The data folder is this package (found with ``importlib.resources``, so it works from a wheel),
+unless the environment variable ``JAXKV_DATA_DIR`` names another folder with the same layout;
+every loader also takes an explicit ``data_dir`` / path argument, which wins over both.
 """
 
 from __future__ import annotations
 
+import importlib.resources
 import json
 import os
 from collections.abc import Iterator
@@ -14,20 +22,31 @@ from pathlib import Path
 from typing import Any
 
 DATA_DIR_ENV = "JAXKV_DATA_DIR"
-_REPO_ROOT = Path(__file__).resolve().parents[2]
+MOONCAKE_EXAMPLE = "mooncake_traces/synthetic_trace.jsonl"
+"""The shipped Mooncake example trace, relative to the data folder."""
+
+
+def shipped_data_dir() -> Path:
+    """The data folder inside the installed package."""
+    return Path(str(importlib.resources.files(__name__)))
 
 
 def default_data_dir() -> Path:
-    """The shared data folder: ``$JAXKV_DATA_DIR`` if set, else ``<repo>/../shared/data``."""
+    """The data folder: ``$JAXKV_DATA_DIR`` if set, else the data shipped with jaxkv."""
     env = os.environ.get(DATA_DIR_ENV)
     if env:
         return Path(env)
-    return _REPO_ROOT.parent / "shared" / "data"
+    return shipped_data_dir()
 
 
 def resolve_data_dir(data_dir: str | os.PathLike | None) -> Path:
     """``data_dir`` as a Path, or the default data folder when it is None."""
     return default_data_dir() if data_dir is None else Path(data_dir)
+
+
+def data_file(relative: str, *, data_dir: str | os.PathLike | None = None) -> Path:
+    """``relative`` (e.g. ``"gsm8k/test.jsonl"``) inside the data folder, checked to exist."""
+    return require_file(resolve_data_dir(data_dir) / relative)
 
 
 def require_file(path: str | os.PathLike) -> Path:
