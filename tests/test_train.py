@@ -12,14 +12,23 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import yaml
 
-from jaxkv.checkpoint import load_policy, save_policy
+from jaxkv.checkpoint import CheckpointError
 from jaxkv.config import ModelConfig
 from jaxkv.eviction import Compression
 from jaxkv.generate import generate_tokens
 from jaxkv.model.params import init_params
 from jaxkv.policies.base import get_policy
-from jaxkv.policies.learned import count, init_mlp, learned_policy, scores_from_features
+from jaxkv.policies.learned import (
+    count,
+    init_mlp,
+    learned_policy,
+    load_policy,
+    save_policy,
+    scores_from_features,
+)
+from jaxkv.rl import driver
 from jaxkv.rl.config import TrainConfig
 from jaxkv.rl.driver import run
 from jaxkv.rl.objectives import (
@@ -135,16 +144,16 @@ def test_policy_checkpoint_round_trip_and_errors(tmp_path):
     back, meta = load_policy(tmp_path / "p")
     assert meta["n_params"] == 17_921 and meta["note"] == "test"
     jax.tree.map(np.testing.assert_array_equal, params, back)
-    with pytest.raises(FileNotFoundError, match="no policy checkpoint"):
+    with pytest.raises(CheckpointError, match="no such directory"):
         load_policy(tmp_path / "missing")
     (tmp_path / "p" / "policy.json").write_text("{not json")
-    with pytest.raises(ValueError, match="not a valid policy"):
+    with pytest.raises(CheckpointError, match="unreadable policy.json"):
         load_policy(tmp_path / "p")
     save_policy(tmp_path / "q", params, {})
     for f in (tmp_path / "q" / "params").rglob("*"):
         if f.is_file() and f.stat().st_size > 100:
             f.write_bytes(b"garbage")
-    with pytest.raises(ValueError, match="cannot read policy parameters"):
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
         load_policy(tmp_path / "q")
 
 
@@ -195,6 +204,57 @@ def test_shipped_configs_parse_and_bad_settings_fail():
         TrainConfig.from_yaml(REPO / "configs" / "distillcache_cpu.yaml", ["ratio"])
     cfg = TrainConfig.from_yaml(REPO / "configs" / "distillcache_cpu.yaml", ["ratio=0.5"])
     assert cfg.ratio == 0.5
+
+
+def test_settings_are_checked_against_their_types(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("learning_rate: 1e-3\nratio: 1\nexact_entropy: yes\n")  # PyYAML: str, int
+    cfg = TrainConfig.from_yaml(path)
+    assert (cfg.learning_rate, cfg.ratio, cfg.exact_entropy) == (1e-3, 1.0, True)
+    assert type(cfg.ratio) is float
+    bad = {
+        "steps=30.5": r"steps must be an integer, got 30.5 \(float\)",
+        "ratio=quarter": r"ratio must be a number, got 'quarter' \(str\)",
+        "rollouts=2.5": r"rollouts must be an integer, got 2.5",
+        "steps=true": r"steps must be an integer, got True \(bool\)",
+        "exact_entropy='yes'": r"exact_entropy must be true or false, got 'yes' \(str\)",
+        "exact_entropy=1": r"exact_entropy must be true or false, got 1 \(int\)",
+        "model=7": r"model must be a string, got 7 \(int\)",
+        "learning_rate=.nan": r"learning_rate must be a number, got nan",
+        "data_parallel=0": r"data_parallel >= 1",
+    }
+    for override, message in bad.items():
+        with pytest.raises(ValueError, match=message):
+            TrainConfig.from_yaml(path, [override])
+
+
+def _cli(tmp_path, *args: str) -> int:
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump(TINY))
+    return driver.main(["--config", str(config), "--workdir", str(tmp_path / "run"), *args])
+
+
+def test_bad_arguments_fail_before_anything_is_written(tmp_path, capsys):
+    for stop_after in ("-1", "0"):
+        assert _cli(tmp_path, "--stop-after", stop_after) == 2
+        assert "--stop-after must be a positive number" in capsys.readouterr().err
+    assert _cli(tmp_path, "steps=30.5") == 2
+    assert "steps must be an integer, got 30.5" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_crashed_first_run_does_not_block_the_corrected_command(tmp_path, monkeypatch):
+    def crash(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(driver, "train_step", crash)
+    with pytest.raises(RuntimeError):
+        run(TrainConfig(**{**TINY, "seed": 7}), tmp_path)
+    monkeypatch.undo()
+    state = run(TrainConfig(**TINY), tmp_path, stop_after=2)  # another config: accepted
+    assert int(state.step) == 2
+    with pytest.raises(ValueError, match="different config"):  # now it has a checkpoint
+        run(TrainConfig(**{**TINY, "seed": 7}), tmp_path)
 
 
 DP_SCRIPT = textwrap.dedent(

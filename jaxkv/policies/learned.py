@@ -7,18 +7,25 @@ Inputs are ``jaxkv.stats.features`` after a fixed, parameter-free preprocessing:
 sigma (attention masses spanning orders of magnitude) go through log(x + 1e-6), then every
 feature is standardized across the sequence's cached tokens. The policy so sees relative
 values, which transfer across sequence lengths and budgets.
+
+A policy checkpoint is a ``jaxkv.checkpoint`` directory whose meta file is ``policy.json``.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxkv import checkpoint as checkpoint_lib
 from jaxkv import stats
 from jaxkv.policies.base import Policy
 
 HIDDEN = 128
+POLICY_META = "policy.json"
 
 
 class ScoreMLP(nn.Module):
@@ -74,11 +81,39 @@ def learned_policy(params: dict, *, name: str = "learned", spec: tuple = ()) -> 
 
 
 def load_learned(path: str, **_) -> Policy:
-    """The policy saved at ``path`` by ``jaxkv.train distillcache`` (``jaxkv.checkpoint``)."""
-    from jaxkv.checkpoint import load_policy
-
-    params, meta = load_policy(path)
+    """The policy saved at ``path`` by ``jaxkv.train distillcache`` (``save_policy``)."""
+    params, _ = load_policy(path)
     return learned_policy(params, name=f"learned:{path}", spec=(("path", str(path)),))
+
+
+def save_policy(path: str | Path, params: dict, meta: dict[str, Any]) -> Path:
+    """Writes a policy checkpoint (atomically replacing one at ``path``).
+
+    Raises:
+        jaxkv.checkpoint.CheckpointError: non-finite parameters (nothing is written).
+    """
+    hidden = params["Dense_0"]["kernel"].shape[-1]
+    meta = {"kind": "distillcache-policy", "hidden": hidden, "n_params": count(params), **meta}
+    return checkpoint_lib.save(path, params, meta, meta_name=POLICY_META)
+
+
+def load_policy(path: str | Path) -> tuple[dict, dict]:
+    """Reads and verifies a policy checkpoint: (params, meta).
+
+    Raises:
+        jaxkv.checkpoint.CheckpointError: (a ValueError, one line naming ``path``) no policy
+            checkpoint there, or a damaged one.
+    """
+    path = Path(path).absolute()
+    try:
+        meta = checkpoint_lib.read_meta(path, meta_name=POLICY_META)
+        hidden = meta.get("hidden")
+        if meta.get("kind") != "distillcache-policy" or type(hidden) is not int or hidden < 1:
+            raise checkpoint_lib.CheckpointError(path, f"{POLICY_META} does not describe a policy")
+        abstract = jax.eval_shape(lambda: init_mlp(key=jax.random.key(0), hidden=hidden))
+        return checkpoint_lib.restore(path, abstract, meta_name=POLICY_META)
+    except checkpoint_lib.CheckpointError as e:
+        raise checkpoint_lib.CheckpointError(e.path, e.reason, what="learned policy") from None
 
 
 def count(params: dict) -> int:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +45,8 @@ class TrainConfig:
     data_parallel: int = 1
 
     def __post_init__(self):
+        for name, kind in _field_types().items():
+            object.__setattr__(self, name, _typed(name, kind, getattr(self, name)))
         checks = {
             "ratio in (0, 1]": 0 < self.ratio <= 1,
             "rollouts >= 2 (RLOO) or 1 (EMA baseline)": self.rollouts >= 1,
@@ -54,7 +59,11 @@ class TrainConfig:
             f"stream in {STREAMS}": self.stream in STREAMS,
             f"dataset in {DATASETS}": self.dataset in DATASETS,
             "checkpoint_every >= 1": self.checkpoint_every >= 1,
-            "rollouts divisible by data_parallel": self.rollouts % self.data_parallel == 0,
+            "hidden >= 1": self.hidden >= 1,
+            "data_parallel >= 1": self.data_parallel >= 1,
+            "rollouts divisible by data_parallel": (
+                self.data_parallel < 1 or self.rollouts % self.data_parallel == 0
+            ),
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
@@ -82,8 +91,47 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], *, source: str = "config") -> TrainConfig:
+        """Settings from a mapping; values are checked against the field types (``_typed``)."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(raw) - known)
         if unknown:
             raise ValueError(f"{source}: unknown settings {unknown}; valid: {sorted(known)}")
         return cls(**raw)
+
+
+@functools.cache
+def _field_types() -> dict[str, type]:
+    hints = typing.get_type_hints(TrainConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(TrainConfig)}
+
+
+_TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def _typed(name: str, kind: type, value: Any) -> Any:
+    """``value`` as a ``kind`` setting, or a ValueError naming the setting.
+
+    Integers accept only integers (not bools, not 30.5); numbers accept finite integers, floats
+    and numeric strings (PyYAML reads ``1e-3`` as a string); bools and strings accept only
+    their own type.
+    """
+    if kind is float:
+        number = _finite_float(value)
+        if number is not None:
+            return number
+    elif isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
+        return value
+    raise ValueError(
+        f"invalid training config: {name} must be {_TYPE_NAMES[kind]}, got {value!r} "
+        f"({type(value).__name__})"
+    )
+
+
+def _finite_float(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        return None
+    try:
+        number = float(value)
+    except (ValueError, OverflowError):
+        return None
+    return number if math.isfinite(number) else None

@@ -1,15 +1,17 @@
 """``python -m jaxkv.train distillcache``: the training loop around ``train_step``.
 
 Resumable: the state is checkpointed every ``checkpoint_every`` steps and on Ctrl-C; running
-the same command again restores the latest checkpoint, drops metric lines written after it,
-and continues. Data and keys derive from (seed, step), so a resumed run equals an
-uninterrupted one.
+the same command again restores the newest intact checkpoint (a damaged newer one is reported
+and skipped), drops metric lines written after it, and continues. Data and keys derive from
+(seed, step), so a resumed run equals an uninterrupted one. A step with a non-finite loss or
+gradient stops the run; that state is never saved.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -21,15 +23,20 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 from jaxkv import sharding
-from jaxkv.checkpoint import TrainCheckpoints, save_policy
+from jaxkv.checkpoint import TrainCheckpoints
 from jaxkv.config import ModelConfig
 from jaxkv.model.params import init_params
-from jaxkv.policies.learned import count, init_mlp
+from jaxkv.policies.learned import count, init_mlp, save_policy
 from jaxkv.rl.config import TrainConfig
 from jaxkv.rl.data import build_corpora, stream_for_step
 from jaxkv.rl.step import TrainState, init_state, train_step
 
 METRICS = "metrics.jsonl"
+CONFIG = "config.yaml"
+
+
+class TrainingDiverged(ValueError):
+    """A step gave a non-finite loss or gradient (the run stops; that state is not saved)."""
 
 
 def load_lm(name: str):
@@ -60,16 +67,20 @@ def _teacher_stream(params, window, cfg: TrainConfig, config):
     return np.asarray(prompt + cont, np.int32)
 
 
-def _check_workdir(workdir: Path, cfg: TrainConfig) -> None:
-    saved = workdir / "config.yaml"
-    current = yaml.safe_dump(cfg.__dict__, sort_keys=True)
-    if saved.exists() and saved.read_text() != current:
+def _check_workdir(workdir: Path, cfg: TrainConfig, *, started: bool) -> None:
+    """Refuses a workdir holding a started run (one with checkpoints) of another config."""
+    if workdir.exists() and not workdir.is_dir():
+        raise ValueError(f"--workdir {workdir} exists and is not a directory")
+    saved = workdir / CONFIG
+    if started and saved.exists() and saved.read_text() != _config_text(cfg):
         raise ValueError(
             f"{workdir} holds a run with a different config ({saved}); resume with the same "
             "settings or choose a new --workdir"
         )
-    workdir.mkdir(parents=True, exist_ok=True)
-    saved.write_text(current)
+
+
+def _config_text(cfg: TrainConfig) -> str:
+    return yaml.safe_dump(cfg.__dict__, sort_keys=True)
 
 
 def _truncate_metrics(path: Path, last_step: int) -> None:
@@ -82,19 +93,31 @@ def _truncate_metrics(path: Path, last_step: int) -> None:
 
 
 def run(cfg: TrainConfig, workdir: Path, *, stop_after: int | None = None) -> TrainState:
-    """Trains (or resumes) in ``workdir``; returns the final state."""
-    _check_workdir(workdir, cfg)
+    """Trains (or resumes) in ``workdir``; returns the final state.
+
+    Raises:
+        ValueError: bad arguments, a workdir of another run, no intact checkpoint to resume
+            from, or a non-finite loss or gradient (``TrainingDiverged``).
+    """
+    if stop_after is not None and stop_after < 1:
+        raise ValueError(f"--stop-after must be a positive number of total steps, got {stop_after}")
+    workdir = Path(workdir)
+    ckpts = TrainCheckpoints(workdir)
+    _check_workdir(workdir, cfg, started=bool(ckpts.steps()))
     config, params, tokenizer = load_lm(cfg.model)
     corpora = build_corpora(tokenizer, dataset=cfg.dataset)
     mesh = sharding.make_mesh(data=cfg.data_parallel) if cfg.data_parallel > 1 else None
-    ckpts = TrainCheckpoints(workdir)
     state = init_state(cfg, init_mlp(key=jax.random.key(cfg.seed), hidden=cfg.hidden))
-    restored = ckpts.restore(jax.eval_shape(lambda: state))
-    if restored is not None:
-        state = restored
+    state, saved = _resume(ckpts, state)
     start = int(state.step)
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / CONFIG).write_text(_config_text(cfg))  # only now: every argument is valid
     _truncate_metrics(workdir / METRICS, start)
     end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
+    if end <= start < cfg.steps:
+        print(
+            f"at step {start} already (--stop-after {stop_after}): nothing to do", file=sys.stderr
+        )
     bar = tqdm(
         range(start, end), initial=start, total=cfg.steps, desc="distillcache", mininterval=2.0
     )
@@ -113,6 +136,7 @@ def run(cfg: TrainConfig, workdir: Path, *, stop_after: int | None = None) -> Tr
                     **{k: float(v) for k, v in metrics.items()},
                     "seconds": time.perf_counter() - t0,
                 }
+                _check_finite(row, saved=saved, ckpt_dir=ckpts.dir)
                 log.write(json.dumps(row) + "\n")
                 log.flush()
                 bar.set_postfix(
@@ -122,16 +146,40 @@ def run(cfg: TrainConfig, workdir: Path, *, stop_after: int | None = None) -> Tr
                 )
                 if (step + 1) % cfg.checkpoint_every == 0:
                     ckpts.save(step + 1, state)
+                    saved = step + 1
     except KeyboardInterrupt:
         print(f"\ninterrupted: saving step {int(state.step)}", file=sys.stderr)
         ckpts.save(int(state.step), state)
-        ckpts.close()
         raise
-    ckpts.save(int(state.step), state)
-    ckpts.close()
+    if int(state.step) != saved:
+        ckpts.save(int(state.step), state)
     if int(state.step) == cfg.steps:
         _finish(workdir, cfg, state)
     return state
+
+
+def _resume(ckpts: TrainCheckpoints, state: TrainState) -> tuple[TrainState, int | None]:
+    """(the newest intact checkpointed state or ``state``, its step or None); reports damage."""
+    restored, step, damaged = ckpts.restore(jax.eval_shape(lambda: state))
+    for e in damaged:
+        print(
+            f"checkpoint step {e.path.name} in {ckpts.dir} is damaged ({e.reason}); "
+            f"resuming from step {step}",
+            file=sys.stderr,
+        )
+    return (state, None) if restored is None else (restored, step)
+
+
+def _check_finite(row: dict[str, float], *, saved: int | None, ckpt_dir: Path) -> None:
+    """Raises ``TrainingDiverged`` if any metric (loss, grad_norm, ...) is NaN or inf."""
+    bad = {k: v for k, v in row.items() if not math.isfinite(v)}
+    if bad:
+        last = f"step {saved} in {ckpt_dir}" if saved is not None else "none"
+        raise TrainingDiverged(
+            f"step {row['step']}: non-finite "
+            + ", ".join(f"{k}={v}" for k, v in bad.items())
+            + f"; stopped without saving this state (latest checkpoint: {last})"
+        )
 
 
 def _finish(workdir: Path, cfg: TrainConfig, state: TrainState) -> None:
