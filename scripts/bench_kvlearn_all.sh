@@ -21,7 +21,7 @@ run eval_main 3000 1.1 4 --prp-checkpoint "$OUT/prp_pretrained" --json "$OUT/cli
   | tee "$OUT/cli_3000_1.1_4_pretrained.txt"
 
 # Serving scale (Mooncake trace): goals, speed, the CLI example, the load sweep, MM-Session.
-TRACE=../shared/data/mooncake_traces/synthetic_trace.jsonl
+TRACE=example  # the Mooncake example trace shipped with jaxkv (jaxkv/data/mooncake_traces/)
 python scripts/bench_kvlearn_serving.py --out "$OUT"
 python scripts/bench_kvlearn_serving.py --speed --out "$OUT"
 run eval_main --trace "$TRACE" --pool-gib 686 --prefill-nodes 24 --load-scale 1 \

@@ -26,9 +26,10 @@ from pathlib import Path
 import numpy as np
 
 from jaxkv.kvlearn import serving as SV
+from jaxkv.kvlearn import traces as T
 from jaxkv.kvlearn.cost import CostModel
 
-TRACE = "../shared/data/mooncake_traces/synthetic_trace.jsonl"
+TRACE = T.EXAMPLE  # the Mooncake example trace shipped with jaxkv (T.trace_path)
 FRACS = (0.1, 0.25, 0.5)
 TUNE_HEAD = 2000
 # the heavy MM-Session workload of the tuning split (seeds 1 and 2, the second bursty; 8 nodes)
@@ -64,7 +65,7 @@ def _distinct(tr: SV.MooncakeTrace) -> int:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--trace", default=TRACE)
+    p.add_argument("--trace", default=TRACE, help="Mooncake trace ('example': the shipped one)")
     p.add_argument("--out", default="results/kvlearn")
     p.add_argument("--prefill-nodes", type=int, default=24)
     p.add_argument("--loads", default="1,1.5")
@@ -81,7 +82,7 @@ def main() -> None:
     p.add_argument("--seeds", default="0,1,2", help="PRP seeds per variant for --tune")
     args = p.parse_args()
     cost = CostModel.llama3_8b_a100()
-    base = SV.load_mooncake_trace(args.trace)
+    base = SV.load_mooncake_trace(T.trace_path(args.trace))
     if args.speed:
         return speed(base, cost, args.prefill_nodes, Path(args.out))
     if args.tune:

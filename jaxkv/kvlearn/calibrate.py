@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxkv.kvlearn import cli_common
 from jaxkv.kvlearn.cost import CostModel, KVShape, fit_calibration
 
 PROG = "python -m jaxkv.eval kvlearn calibrate"
@@ -121,16 +122,24 @@ def main(argv: list[str]) -> int:
 
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m", help="model preset (or 'tiny')")
-    p.add_argument("--lengths", default="128,256,512,768,1024,1536,2048")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--lengths",
+        type=cli_common.number_list(cli_common.number(int, ge=1)),
+        default=[128, 256, 512, 768, 1024, 1536, 2048],
+        help="prompt lengths to time (default 128,256,512,768,1024,1536,2048)",
+    )
+    p.add_argument("--repeats", type=cli_common.number(int, ge=1), default=3)
     p.add_argument("--json", metavar="PATH", help="write the calibration (use with --calibration)")
     p.add_argument("--plot", metavar="PNG", help="plot measured points and the fit")
     args = p.parse_args(argv)
     try:
+        for flag, path in (("--json", args.json), ("--plot", args.plot)):
+            if path:
+                cli_common.check_output(path, flag=flag)
         config = ModelConfig.tiny() if args.model == "tiny" else ModelConfig.preset(args.model)
-        lengths = [int(x) for x in args.lengths.split(",") if x]
-        if len(lengths) < 2 or min(lengths) <= 0 or args.repeats <= 0:
-            raise ValueError("need ≥ 2 positive --lengths and --repeats ≥ 1")
+        lengths = args.lengths
+        if len(lengths) < 2:
+            raise ValueError(f"need ≥ 2 positive --lengths, got {lengths}")
         config = config.replace(max_seq_len=max(config.max_seq_len, max(lengths)))
         cal = calibrate(config, lengths, repeats=args.repeats)
     except ValueError as e:

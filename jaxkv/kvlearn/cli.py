@@ -12,40 +12,57 @@ import time
 from pathlib import Path
 
 from jaxkv.kvlearn import baselines as B
+from jaxkv.kvlearn import cli_common
 from jaxkv.kvlearn import simulate as S
 from jaxkv.kvlearn import traces as T
 from jaxkv.kvlearn.control import KVLearnConfig
-from jaxkv.kvlearn.cost import GIB, CostModel
+from jaxkv.kvlearn.cost import GIB, PRESETS, CostModel
+from jaxkv.kvlearn.pool import MAX_CAPACITY_KIB
 
 EVAL_PROG = "python -m jaxkv.eval kvlearn"
 TRAIN_PROG = "python -m jaxkv.train kvlearn"
 DEFAULTS = {"n_requests": 3000, "zipf_alpha": 1.1, "pool_gib": 4.0}
+MAX_POOL_GIB = MAX_CAPACITY_KIB / 2**20
+"""The core simulator's largest pool (its block table counts KiB in int32)."""
 
 
 # ---- argument types -------------------------------------------------------------------------
+def _float(s: str, what: str) -> float:
+    try:
+        return float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{what} must be a number, got {s!r}") from None
+
+
 def _positive_int(s: str) -> int:
-    v = int(s)
+    try:
+        v = int(s)
+    except ValueError:
+        v = 0
     if v <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {s}")
     return v
 
 
 def _alpha(s: str) -> float:
-    v = float(s)
+    v = _float(s, "zipf alpha")
     if not (v > 0 and math.isfinite(v)):
         raise argparse.ArgumentTypeError(f"zipf alpha must be > 0, got {s}")
     return v
 
 
 def _pool(s: str) -> float:
-    v = float(s)
+    v = _float(s, "pool size")
     if not (v >= 0 and math.isfinite(v)):
         raise argparse.ArgumentTypeError(f"pool size must be ≥ 0 GiB, got {s}")
     return v
 
 
-def _list(kind):
-    return lambda s: [kind(x) for x in s.split(",") if x]
+def _core_pool(s: str) -> float:
+    v = _pool(s)
+    if v > MAX_POOL_GIB:
+        raise argparse.ArgumentTypeError(f"pool size must be ≤ {MAX_POOL_GIB:g} GiB, got {s}")
+    return v
 
 
 def _policies(s: str) -> list[str]:
@@ -60,13 +77,24 @@ def _policies(s: str) -> list[str]:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--seed", type=int, default=7, help="trace and policy seed (default 7)")
+    p.add_argument(
+        "--seed",
+        type=cli_common.number(int, ge=0),
+        default=7,
+        help="trace and policy seed (default 7)",
+    )
     p.add_argument(
         "--cost-preset",
         default="llama3-8b-a100",
+        choices=PRESETS,
         help="llama3-8b-a100 (default), mistral-7b-a100 or smollm2-135m-cpu",
     )
-    p.add_argument("--horizon", type=float, default=5.0, help="PRP label horizon H in seconds")
+    p.add_argument(
+        "--horizon",
+        type=cli_common.number(float, gt=0),
+        default=5.0,
+        help="PRP label horizon H in seconds",
+    )
     p.add_argument("--tick-every", type=_positive_int, default=20, help="requests between ticks")
 
 
@@ -78,18 +106,27 @@ def _cost(args) -> CostModel:
     return CostModel.preset(args.cost_preset)
 
 
-def _sim_cfg(args) -> S.SimConfig:
-    cost = _cost(args)
+def _sim_cfg(args, cost: CostModel) -> S.SimConfig:
     return S.SimConfig(
         kvlearn=KVLearnConfig(cost=cost, horizon_s=args.horizon), tick_every=args.tick_every
     )
 
 
-def _trace(args, n_requests, alpha) -> T.Trace:
+def _resolve_traces(args) -> None:
+    """Sets ``trace_file`` / ``mooncake_file`` (``example`` → the shipped trace); at most one of
+    ``--trace`` and ``--mooncake``."""
     if args.trace and args.mooncake:
         raise T.TraceError("give at most one of --trace and --mooncake")
+    args.trace_file = T.trace_path(args.trace) if args.trace else None
+    args.mooncake_file = T.trace_path(args.mooncake) if args.mooncake else None
+
+
+def _trace(args, n_requests, alpha) -> T.Trace:
     if args.trace or args.mooncake:
-        tr = T.load_jsonl(args.trace) if args.trace else T.load_mooncake(args.mooncake)
+        path = args.trace_file or args.mooncake_file
+        load = T.load_jsonl if args.trace else T.load_mooncake
+        with cli_common.file_progress(path) as bar:
+            tr = load(path, progress=bar.update)
         return tr.head(n_requests) if n_requests is not None else tr
     return T.zipf_multimodal(
         n_requests or DEFAULTS["n_requests"], alpha or DEFAULTS["zipf_alpha"], seed=args.seed
@@ -117,9 +154,15 @@ def eval_parser() -> argparse.ArgumentParser:
         "--trace",
         metavar="JSONL",
         help="replay a JSONL trace instead of the Zipf workload; a Mooncake-format file "
-        "(timestamp, input_length, output_length, hash_ids) runs the serving simulator",
+        "(timestamp, input_length, output_length, hash_ids) runs the serving simulator; "
+        f"'{T.EXAMPLE}' is the Mooncake example trace shipped with jaxkv",
     )
-    p.add_argument("--mooncake", metavar="JSONL", help="replay a Mooncake trace block by block")
+    p.add_argument(
+        "--mooncake",
+        metavar="JSONL",
+        help=f"replay a Mooncake trace block by block in the core simulator ('{T.EXAMPLE}': "
+        "the shipped one)",
+    )
     p.add_argument("--prp-checkpoint", metavar="DIR", help="start KVLearn from a pre-trained PRP")
     p.add_argument(
         "--calibration",
@@ -131,9 +174,17 @@ def eval_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--sweep", action="store_true", help="run a grid; plot TTFT vs pool size per policy"
     )
-    g.add_argument("--pools", type=_list(_pool), default=[1, 2, 4, 8, 16], help="GiB list (sweep)")
     g.add_argument(
-        "--alphas", type=_list(_alpha), default=[0.8, 1.1, 1.4], help="alpha list (sweep)"
+        "--pools",
+        type=cli_common.number_list(_core_pool),
+        default=[1, 2, 4, 8, 16],
+        help="GiB list (sweep)",
+    )
+    g.add_argument(
+        "--alphas",
+        type=cli_common.number_list(_alpha),
+        default=[0.8, 1.1, 1.4],
+        help="alpha list (sweep)",
     )
     g.add_argument("--seeds", type=_positive_int, default=3, help="seeds per cell (sweep)")
     g.add_argument("--plot", metavar="PNG", default="kvlearn_sweep.png", help="sweep plot path")
@@ -149,17 +200,23 @@ def eval_parser() -> argparse.ArgumentParser:
     return p
 
 
+TABLE_COLUMNS: list[cli_common.Column] = [
+    ("policy", 15, lambda m: m["policy"]),
+    ("TTFT mean", 10, lambda m: f"{m['ttft_ms_mean']:.3f}"),
+    ("p50", 8, lambda m: f"{m['ttft_ms_p50']:.2f}"),
+    ("p99", 8, lambda m: f"{m['ttft_ms_p99']:.2f}"),
+    ("hit %", 8, lambda m: f"{100 * m['hit_rate']:.1f}"),
+    ("byte hit %", 11, lambda m: f"{100 * m['byte_hit_rate']:.1f}"),
+    ("xfer GiB", 10, lambda m: f"{m['transfer_gib']:.1f}"),
+    ("admits", 8, lambda m: f"{m['admits']:d}"),
+    ("evictions", 10, lambda m: f"{m['evictions']:d}"),
+    ("discards", 9, lambda m: f"{m['discards']:d}"),
+]
+
+
 def format_table(results: list[dict]) -> str:
-    head = f"{'policy':<15}{'TTFT mean':>10}{'p50':>8}{'p99':>8}{'hit %':>8}{'byte hit %':>11}"
-    head += f"{'xfer GiB':>10}{'admits':>8}{'evictions':>10}{'discards':>9}"
-    lines = [head, "-" * len(head)]
-    for m in results:
-        lines.append(
-            f"{m['policy']:<15}{m['ttft_ms_mean']:>10.3f}{m['ttft_ms_p50']:>8.2f}"
-            f"{m['ttft_ms_p99']:>8.2f}{100 * m['hit_rate']:>8.1f}{100 * m['byte_hit_rate']:>11.1f}"
-            f"{m['transfer_gib']:>10.1f}{m['admits']:>8d}{m['evictions']:>10d}{m['discards']:>9d}"
-        )
-    return "\n".join(lines)
+    """The policy table (columns widen for wide values)."""
+    return cli_common.format_columns(TABLE_COLUMNS, results)
 
 
 def _load_prp(path):
@@ -187,14 +244,18 @@ def _single(args, sim_cfg, prp) -> int:
         f"seed={args.seed}\n"
     )
     t0 = time.perf_counter()
-    results = S.compare(
-        tr,
-        capacity_bytes=pool_gib * GIB,
-        seed=args.seed,
-        policies=args.policies,
-        sim_cfg=sim_cfg,
-        prp=prp,
-    )
+    work = len(tr) * len(args.policies)
+    show = work >= cli_common.PROGRESS_MIN_REQUESTS
+    with cli_common.progress_bar(work, desc="replay", unit="req", show=show) as bar:
+        results = S.compare(
+            tr,
+            capacity_bytes=pool_gib * GIB,
+            seed=args.seed,
+            policies=args.policies,
+            sim_cfg=sim_cfg,
+            prp=prp,
+            progress=bar.update,
+        )
     print(format_table(results))
     print(f"\n({time.perf_counter() - t0:.1f} s including compilation; TTFT in ms)")
     if args.json:
@@ -214,8 +275,6 @@ def _single(args, sim_cfg, prp) -> int:
 
 
 def _sweep(args, sim_cfg, prp) -> int:
-    if args.trace or args.mooncake:
-        raise T.TraceError("--sweep runs the Zipf workload; it does not take --trace/--mooncake")
     n = args.n_requests or DEFAULTS["n_requests"]
     seeds = list(range(args.seeds))
     print(
@@ -235,15 +294,7 @@ def _sweep(args, sim_cfg, prp) -> int:
     summary = S.summarize(rows)
     for alpha in args.alphas:
         print(f"\nalpha={alpha}: median TTFT (ms) over {len(seeds)} seeds")
-        print(f"{'policy':<15}" + "".join(f"{g:>9g}G" for g in args.pools))
-        for name in args.policies:
-            cells = {
-                r["pool_gib"]: r for r in summary if r["policy"] == name and r["alpha"] == alpha
-            }
-            print(
-                f"{name:<15}"
-                + "".join(f"{cells[g]['ttft_ms_mean_median']:>10.3f}" for g in args.pools)
-            )
+        print(_sweep_table(summary, alpha=alpha, pools=args.pools, policies=args.policies))
     print(
         "\nbatched run time per policy (s, incl. compile): "
         + ", ".join(f"{k} {v:.1f}" for k, v in seconds.items())
@@ -262,6 +313,17 @@ def _sweep(args, sim_cfg, prp) -> int:
             args.json, {"config": config, "summary": summary, "runs": rows, "seconds": seconds}
         )
     return 0
+
+
+def _sweep_table(summary: list[dict], *, alpha, pools, policies) -> str:
+    """Median mean TTFT per policy (rows) and pool size (columns) at one alpha."""
+    cells = {(r["policy"], r["pool_gib"]): r for r in summary if r["alpha"] == alpha}
+    columns: list[cli_common.Column] = [("policy", 15, lambda row: row["policy"])]
+    columns += [
+        (f"{g:g}G", 10, lambda row, g=g: f"{cells[(row['policy'], g)]['ttft_ms_mean_median']:.3f}")
+        for g in pools
+    ]
+    return cli_common.format_columns(columns, [{"policy": p} for p in policies], rule=False)
 
 
 def plot_sweep(summary: list[dict], *, path, alphas, policies) -> None:
@@ -311,6 +373,50 @@ def _write_json(path, obj) -> None:
     print(f"wrote {path}")
 
 
+def _check_core_args(args) -> None:
+    """The core simulator's argument rules (fills ``pool_gib`` and ``policies``)."""
+    if args.sweep and (args.trace or args.mooncake):
+        raise T.TraceError("--sweep runs the Zipf workload; it does not take --trace/--mooncake")
+    if args.pool_gib is not None and args.serving_pool_gib is not None:
+        raise ValueError("give the pool size once: positionally or with --pool-gib")
+    if args.pool_gib is None:
+        args.pool_gib = args.serving_pool_gib
+    if args.pool_gib is not None and args.pool_gib > MAX_POOL_GIB:
+        raise ValueError(
+            f"pool size must be ≤ {MAX_POOL_GIB:g} GiB (the core simulator counts KiB in int32), "
+            f"got {args.pool_gib:g}"
+        )
+    if args.policies is None:
+        args.policies = list(B.POLICIES)
+    extra = [n for n in args.policies if n not in B.POLICIES]
+    if extra:
+        raise ValueError(f"policies {extra} need a Mooncake trace (--trace)")
+    for flag, given in (
+        ("--pool-frac", args.pool_frac is not None),
+        ("--rate-search", args.rate_search),
+    ):
+        if given:
+            raise ValueError(f"{flag} applies to Mooncake traces given with --trace only")
+
+
+def _check_eval_args(args) -> bool:
+    """Every check that needs no trace contents, before anything is loaded, simulated or
+    written. Returns whether ``--trace`` is a Mooncake file (the serving simulator)."""
+    from jaxkv.kvlearn import serving_cli
+
+    _resolve_traces(args)
+    serving = bool(args.trace) and T.is_mooncake_file(args.trace_file)
+    if serving:
+        serving_cli.check_args(args)
+    else:
+        _check_core_args(args)
+    if args.json:
+        cli_common.check_output(args.json, flag="--json")
+    if args.sweep:
+        cli_common.check_output(args.plot, flag="--plot")
+    return serving
+
+
 def eval_main(argv: list[str]) -> int:
     """``python -m jaxkv.eval kvlearn [n_requests] [zipf_alpha] [pool_GiB] [options]``."""
     if argv and argv[0] == "calibrate":
@@ -320,18 +426,13 @@ def eval_main(argv: list[str]) -> int:
     parser = eval_parser()
     args = parser.parse_args(argv)
     try:
-        from jaxkv.kvlearn import serving, serving_cli
+        serving = _check_eval_args(args)
+        cost = _cost(args)
+        if serving:
+            from jaxkv.kvlearn import serving_cli
 
-        if args.trace and serving.is_mooncake_file(args.trace):
-            return serving_cli.main(args, cost=_cost(args))
-        if args.policies is None:
-            args.policies = list(B.POLICIES)
-        if args.pool_gib is None and args.serving_pool_gib is not None:
-            args.pool_gib = args.serving_pool_gib
-        extra = [n for n in args.policies if n not in B.POLICIES]
-        if extra:
-            raise ValueError(f"policies {extra} need a Mooncake trace (--trace)")
-        sim_cfg = _sim_cfg(args)
+            return serving_cli.main(args, cost=cost)
+        sim_cfg = _sim_cfg(args, cost)
         prp = _load_prp(args.prp_checkpoint)
         return _sweep(args, sim_cfg, prp) if args.sweep else _single(args, sim_cfg, prp)
     except (T.TraceError, FileNotFoundError, ValueError) as e:
@@ -348,7 +449,11 @@ def train_parser() -> argparse.ArgumentParser:
         f"from it with `{EVAL_PROG} --prp-checkpoint DIR`.",
     )
     p.add_argument("--trace", metavar="JSONL", help="JSONL trace (default: the Zipf workload)")
-    p.add_argument("--mooncake", metavar="JSONL", help="Mooncake trace, block by block")
+    p.add_argument(
+        "--mooncake",
+        metavar="JSONL",
+        help=f"Mooncake trace, block by block ('{T.EXAMPLE}': the one shipped with jaxkv)",
+    )
     p.add_argument(
         "--n-requests",
         type=_positive_int,
@@ -358,11 +463,24 @@ def train_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--alpha", type=_alpha, default=1.1, help="Zipf exponent for the synthetic trace"
     )
-    p.add_argument("--pool-gib", type=_pool, default=4.0, help="pool size while collecting labels")
+    p.add_argument(
+        "--pool-gib", type=_core_pool, default=4.0, help="pool size while collecting labels"
+    )
     p.add_argument("--epochs", type=_positive_int, default=20)
     p.add_argument("--out", required=True, metavar="DIR", help="checkpoint directory")
     _common(p)
     return p
+
+
+def _check_checkpoint_out(path) -> None:
+    """``--out`` must be creatable, an empty folder or a checkpoint (``save_prp`` replaces only
+    those), checked before the labels are collected."""
+    from jaxkv import checkpoint as checkpoint_lib
+
+    cli_common.check_output(path, flag="--out", directory=True)
+    p = Path(path)
+    if p.is_dir() and any(p.iterdir()) and not (p / checkpoint_lib.META).is_file():
+        raise ValueError(f"--out {path}: a non-empty folder that is not a checkpoint")
 
 
 def train_main(argv: list[str]) -> int:
@@ -374,7 +492,9 @@ def train_main(argv: list[str]) -> int:
 
     args = train_parser().parse_args(argv)
     try:
-        sim_cfg = _sim_cfg(args)
+        _resolve_traces(args)
+        _check_checkpoint_out(args.out)
+        sim_cfg = _sim_cfg(args, _cost(args))
         n = args.n_requests if (args.trace or args.mooncake) else (args.n_requests or 20_000)
         tr = _trace(args, n, args.alpha)
         t0 = time.perf_counter()

@@ -13,6 +13,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from jaxkv.kvlearn import atc as atc_lib
@@ -125,7 +126,10 @@ class AdmitResult:
 
 
 def init(cfg: KVLearnConfig, *, capacity_bytes, key, prp_state=None) -> KVLearnState:
-    """Empty pool of ``capacity_bytes``; a fresh PRP unless ``prp_state`` (pre-trained) is given."""
+    """Empty pool of ``capacity_bytes`` (at most ``pool.MAX_CAPACITY_KIB`` KiB, 2047 GiB); a fresh
+    PRP unless ``prp_state`` (pre-trained) is given."""
+    if not isinstance(capacity_bytes, jax.core.Tracer):
+        pool_lib.check_capacity_kib(np.asarray(capacity_bytes, np.float64) / 1024)
     cap_kib = pool_lib.bytes_to_kib(jnp.asarray(capacity_bytes, jnp.float32)).astype(jnp.int32)
     k_prp, k_run = jax.random.split(key)
     zi = lambda: jnp.zeros((), jnp.int32)  # distinct buffers: the state may be donated
@@ -261,7 +265,7 @@ def admit(state: KVLearnState, req: Request, *, cfg: KVLearnConfig, active=True)
     """
     x_F = _featurize(state, req.key, req.time, cfg)
     p_hat, value, density = _score(state, req.key, x_F, req.tokens, req.time, cfg)
-    kib = pool_lib.bytes_to_kib(cfg.cost.footprint_bytes(req.tokens))
+    kib = pool_lib.block_kib(req.tokens, bytes_per_token=cfg.cost.shape.bytes_per_token)
     gate = active & cars_lib.keep(density, state.atc.theta)
     pool, admitted, victims = pool_lib.admit(
         state.pool,

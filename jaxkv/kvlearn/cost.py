@@ -22,6 +22,8 @@ import numpy as np
 
 MIB = 1024**2
 GIB = 1024**3
+PRESETS = ("llama3-8b-a100", "mistral-7b-a100", "smollm2-135m-cpu")
+"""Names ``CostModel.preset`` knows."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,11 +103,8 @@ class CostModel:
 
     @classmethod
     def preset(cls, name: str) -> CostModel:
-        presets = {
-            "llama3-8b-a100": cls.llama3_8b_a100,
-            "mistral-7b-a100": cls.mistral_7b_a100,
-            "smollm2-135m-cpu": cls.smollm2_135m_cpu,
-        }
+        build = (cls.llama3_8b_a100, cls.mistral_7b_a100, cls.smollm2_135m_cpu)
+        presets = dict(zip(PRESETS, build, strict=True))
         if name not in presets:
             raise ValueError(f"unknown cost preset {name!r}; choose from {sorted(presets)}")
         return presets[name]()

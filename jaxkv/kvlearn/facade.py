@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.kvlearn import control
-from jaxkv.kvlearn.traces import MODALITIES
+from jaxkv.kvlearn.traces import MAX_TOKENS, MODALITIES
 
 _lookup = jax.jit(control.lookup, static_argnames="cfg", donate_argnums=0)
 _admit = jax.jit(control.admit, static_argnames="cfg", donate_argnums=0)
@@ -77,8 +77,8 @@ class Coordinator:
         return k
 
     def _request(self, key: str, tokens: int, modality, now) -> control.Request:
-        if tokens <= 0:
-            raise ValueError(f"tokens must be positive, got {tokens}")
+        if not 0 < tokens <= MAX_TOKENS:
+            raise ValueError(f"tokens must be in 1..{MAX_TOKENS:,} (int32), got {tokens}")
         if modality not in MODALITIES and modality not in range(len(MODALITIES)):
             raise ValueError(f"modality must be one of {MODALITIES} (or 0-2), got {modality!r}")
         mod = MODALITIES.index(modality) if isinstance(modality, str) else int(modality)

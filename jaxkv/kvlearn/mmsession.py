@@ -24,9 +24,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
+
+from jaxkv.kvlearn import cli_common
 
 BLOCK = 512
 IMAGE_TOKENS = 576
@@ -144,13 +147,21 @@ def write_jsonl(records: list[dict], path: str | Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m jaxkv.kvlearn.mmsession", description=__doc__)
-    p.add_argument("--sessions", type=int, default=500)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--rate", type=float, default=2.0, help="session starts per second")
+    prog = "python -m jaxkv.kvlearn.mmsession"
+    p = argparse.ArgumentParser(prog=prog, description=__doc__)
+    p.add_argument("--sessions", type=cli_common.number(int, ge=1), default=500)
+    p.add_argument("--seed", type=cli_common.number(int, ge=0), default=0)
+    p.add_argument(
+        "--rate", type=cli_common.number(float, gt=0), default=2.0, help="session starts per second"
+    )
     p.add_argument("--bursty", action="store_true")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
+    try:
+        cli_common.check_output(a.out, flag="--out")
+    except ValueError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
     recs = generate(
         a.sessions, seed=a.seed, cfg=MMSessionConfig(rate_per_s=a.rate, bursty=a.bursty)
     )

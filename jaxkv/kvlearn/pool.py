@@ -6,9 +6,11 @@ Axis glossary for this subsystem (shape suffixes): ``C`` block slots, ``G`` slot
 (training minibatch or vmapped runs).
 
 Sizes are accounted in KiB (``int32``, each block rounded *up*), which keeps sums exact and
-allows pools up to 2 TiB. A slot is empty iff ``key_C`` is -1; ``slot_K`` is the inverse map,
-so ``lookup`` is O(1). Free slots sit on a stack (``free_C``): an insert takes the top, evicted
-slots are pushed in victim order.
+allows pools up to ``MAX_CAPACITY_KIB`` (2047 GiB). A block's KiB (``block_kib``) is computed
+without int32 overflow and saturates at ``MAX_KIB``: such a block is larger than any pool, so
+it is never admitted, exactly as if its true size had been kept. A slot is empty iff ``key_C``
+is -1; ``slot_K`` is the inverse map, so ``lookup`` is O(1). Free slots sit on a stack
+(``free_C``): an insert takes the top, evicted slots are pushed in victim order.
 
 Finding the lowest-rank blocks must not scan all C slots (an XLA CPU argmin over 100k floats
 costs ~0.5 ms): slots are split into G groups of S ≈ √(C / max_victims) and ``group_min_G``
@@ -35,10 +37,15 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 EMPTY = -1
 RULES = ("all", "value", "rank")
+MAX_KIB = 2**31 - 1
+"""Largest KiB count the int32 accounting holds; ``block_kib`` saturates here."""
+MAX_CAPACITY_KIB = 2047 * 2**20
+"""Largest pool (2047 GiB): below ``MAX_KIB`` with room for float32 rounding of the capacity."""
 
 
 @struct.dataclass
@@ -92,6 +99,40 @@ def bytes_to_kib(nbytes):
     return -(-nbytes // 1024)
 
 
+def block_kib(tokens, *, bytes_per_token: int):
+    """⌈tokens · bytes_per_token / 1024⌉ KiB, saturated at ``MAX_KIB``: int32 for JAX ``tokens``
+    (int32), int64 for anything else; any shape.
+
+    ``bytes_to_kib(tokens * bytes_per_token)`` overflows int32 from 16,384 tokens of
+    LLaMA-3-8B (128 KiB/token). Here no intermediate exceeds the result (with tokens = 1024·a
+    + b and bytes_per_token = 1024·q + r: tokens·q + a·r + ⌈b·r / 1024⌉). On the JAX path a
+    result within 1024 KiB of ``MAX_KIB`` or beyond it saturates (detected in float32, which
+    is far more accurate than that margin); such a block is larger than any pool
+    (``MAX_CAPACITY_KIB``), so saturating it changes no decision.
+    """
+    q, r = divmod(int(bytes_per_token), 1024)
+    if not isinstance(tokens, jax.Array):
+        tokens = np.asarray(tokens, np.int64)
+    exact = tokens * q + (tokens // 1024) * r + -(-(tokens % 1024) * r // 1024)
+    if not isinstance(tokens, jax.Array):
+        return np.minimum(exact, MAX_KIB)
+    fits = tokens * (bytes_per_token / 1024) < MAX_KIB - 1024
+    return jnp.where(fits, exact, MAX_KIB)
+
+
+def check_capacity_kib(capacity_kib) -> None:
+    """Raises ValueError unless 0 ≤ ``capacity_kib`` ≤ ``MAX_CAPACITY_KIB`` (concrete values;
+    a traced capacity is not checked)."""
+    if isinstance(capacity_kib, jax.core.Tracer):
+        return
+    cap = np.asarray(capacity_kib, np.float64)
+    if np.any(cap < 0) or np.any(cap > MAX_CAPACITY_KIB) or not np.all(np.isfinite(cap)):
+        raise ValueError(
+            f"pool capacity must be between 0 and {MAX_CAPACITY_KIB} KiB (2047 GiB), got "
+            f"{capacity_kib} KiB"
+        )
+
+
 def init_pool(*, max_blocks: int, max_keys: int, capacity_kib, max_victims: int = 128) -> Pool:
     """An empty pool of ``capacity_kib`` KiB with ``max_blocks`` slots for keys < ``max_keys``.
 
@@ -103,9 +144,7 @@ def init_pool(*, max_blocks: int, max_keys: int, capacity_kib, max_victims: int 
             f"max_blocks, max_keys, max_victims must be positive, got "
             f"{max_blocks}, {max_keys}, {max_victims}"
         )
-    if not isinstance(capacity_kib, jax.core.Tracer):
-        if bool(jnp.any(jnp.asarray(capacity_kib) < 0)):
-            raise ValueError(f"pool capacity must be ≥ 0, got {capacity_kib} KiB")
+    check_capacity_kib(capacity_kib)
     max_victims = min(max_victims, max_blocks)
     # victim search costs O(G) + O(max_victims · S): balance the two with S ≈ √(C / V)
     s = max(1, math.ceil(math.sqrt(max_blocks / max_victims)))

@@ -39,147 +39,22 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-import json
 import math
 import time
-from pathlib import Path
 
 import numpy as np
 
 from jaxkv.kvlearn.cost import GIB, CostModel
 from jaxkv.kvlearn.prefix import ROOT, PrefixCache
-from jaxkv.kvlearn.traces import TraceError
+from jaxkv.kvlearn.traces import BLOCK_TOKENS, MooncakeTrace, Progress
 
-BLOCK_TOKENS = 512
+# The Mooncake format has one loader, in ``traces``; these names stay importable from here.
+from jaxkv.kvlearn.traces import is_mooncake_file as is_mooncake_file
+from jaxkv.kvlearn.traces import load_mooncake_trace as load_mooncake_trace
+
 POLICIES = ("no_cache", "lru", "mooncake", "lfu", "oracle_static", "belady", "kvlearn")
-_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 INF = math.inf
-
-
-# ---- trace ----------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class MooncakeTrace:
-    """Requests in arrival order.
-
-    Attributes:
-        time_s: [N] float64 arrival times (s).
-        input_len: [N] int64 prompt tokens.
-        output_len: [N] int64 generated tokens (not simulated; kept for completeness).
-        blocks: N int64 arrays of dense block ids, one per ``block_tokens`` prompt block.
-        n_blocks: distinct block ids.
-    """
-
-    time_s: np.ndarray
-    input_len: np.ndarray
-    output_len: np.ndarray
-    blocks: tuple[np.ndarray, ...]
-    n_blocks: int
-    block_tokens: int = BLOCK_TOKENS
-
-    def __len__(self) -> int:
-        return int(self.time_s.shape[0])
-
-    def scaled(self, load_scale: float) -> MooncakeTrace:
-        """Arrivals compressed ``load_scale``× (S > 1 is heavier load)."""
-        if not load_scale > 0 or not math.isfinite(load_scale):
-            raise ValueError(f"load_scale must be a positive number, got {load_scale}")
-        return dataclasses.replace(self, time_s=self.time_s / load_scale)
-
-    def head(self, n: int) -> MooncakeTrace:
-        return dataclasses.replace(
-            self,
-            time_s=self.time_s[:n],
-            input_len=self.input_len[:n],
-            output_len=self.output_len[:n],
-            blocks=self.blocks[:n],
-        )
-
-    def block_tokens_of(self, i: int) -> np.ndarray:
-        """[n_i] tokens in each block of request i (the last one holds the remainder)."""
-        nb = len(self.blocks[i])
-        tok = np.full(nb, self.block_tokens, np.int64)
-        tok[-1] = int(self.input_len[i]) - (nb - 1) * self.block_tokens
-        return tok
-
-
-def load_mooncake_trace(path: str | Path, *, block_tokens: int = BLOCK_TOKENS) -> MooncakeTrace:
-    """Reads a Mooncake (FAST'25) JSONL trace; raises ``TraceError`` naming file and line.
-
-    Each line needs ``timestamp`` (ms, ≥ 0, non-decreasing), ``input_length`` (integer > 0),
-    ``output_length`` (integer ≥ 0) and ``hash_ids`` (one integer per ``block_tokens`` block of
-    the input). Blank lines are skipped.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise TraceError(f"trace file not found: {path}")
-    ids: dict[int, int] = {}
-    t_ms, n_in, n_out, blocks = [], [], [], []
-    with open(path) as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            t, i, o, h = _parse_mooncake_line(line, where=f"{path}:{lineno}", bt=block_tokens)
-            if t_ms and t < t_ms[-1]:
-                raise TraceError(
-                    f"{path}:{lineno}: timestamp {t} goes backwards (previous {t_ms[-1]})"
-                )
-            t_ms.append(t)
-            n_in.append(i)
-            n_out.append(o)
-            blocks.append(np.array([ids.setdefault(x, len(ids)) for x in h], np.int64))
-    if not blocks:
-        raise TraceError(f"{path}: trace has no requests")
-    return MooncakeTrace(
-        time_s=np.array(t_ms, np.float64) / 1e3,
-        input_len=np.array(n_in, np.int64),
-        output_len=np.array(n_out, np.int64),
-        blocks=tuple(blocks),
-        n_blocks=len(ids),
-        block_tokens=block_tokens,
-    )
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _parse_mooncake_line(line: str, *, where: str, bt: int):
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise TraceError(f"{where}: not valid JSON ({e.msg})") from None
-    if not isinstance(row, dict):
-        raise TraceError(f"{where}: expected a JSON object, got {type(row).__name__}")
-    missing = [k for k in _FIELDS if k not in row]
-    if missing:
-        raise TraceError(f"{where}: missing field(s) {missing}")
-    t, n_in, n_out, h = (row[k] for k in _FIELDS)
-    if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or t < 0:
-        raise TraceError(f"{where}: 'timestamp' must be a finite number ≥ 0 (ms), got {t!r}")
-    if not _is_int(n_in) or n_in <= 0:
-        raise TraceError(f"{where}: 'input_length' must be an integer > 0, got {n_in!r}")
-    if not _is_int(n_out) or n_out < 0:
-        raise TraceError(f"{where}: 'output_length' must be an integer ≥ 0, got {n_out!r}")
-    if not isinstance(h, list) or not all(_is_int(x) for x in h):
-        raise TraceError(f"{where}: 'hash_ids' must be a list of integers")
-    if len(h) != -(-n_in // bt):
-        raise TraceError(
-            f"{where}: {len(h)} hash_ids for input_length {n_in} (expected {-(-n_in // bt)} "
-            f"blocks of {bt} tokens)"
-        )
-    return float(t), n_in, n_out, h
-
-
-def is_mooncake_file(path: str | Path) -> bool:
-    """Whether the first non-blank line of ``path`` looks like a Mooncake record."""
-    try:
-        with open(path) as f:
-            for line in f:
-                if line.strip():
-                    return '"hash_ids"' in line
-    except OSError:
-        return False
-    return False
+_PROGRESS_EVERY = 256  # requests between calls of a ``progress`` callback
 
 
 def next_use(trace: MooncakeTrace) -> list[np.ndarray]:
@@ -428,11 +303,18 @@ def pool_blocks_for(pool_gib: float, cost: CostModel, block_tokens: int = BLOCK_
 
 
 def simulate(
-    trace: MooncakeTrace, policy: str, *, cfg: ServingConfig, cost: CostModel, **policy_kw
+    trace: MooncakeTrace,
+    policy: str,
+    *,
+    cfg: ServingConfig,
+    cost: CostModel,
+    progress: Progress | None = None,
+    **policy_kw,
 ) -> dict[str, np.ndarray]:
     """Per-request records of one run: arrival_s, start_s, wait_ms, service_ms, ttft_ms,
     hit_blocks, n_blocks, hit_tokens, input_tokens, admitted_tokens, plus scalars admits,
-    evictions, discards (computed blocks not admitted)."""
+    evictions, discards (computed blocks not admitted). ``progress`` (optional) is told the
+    number of requests replayed, every few hundred."""
     cap = 0 if policy == "no_cache" else cfg.pool_blocks
     if policy == "oracle_static":
         policy_kw = {"capacity": cap} | policy_kw
@@ -447,6 +329,8 @@ def simulate(
     pending: list[tuple[float, int]] = []  # (finish time, request) whose suffix awaits the pool
     counts = {"admits": 0, "discards": 0}
     for i in range(n):
+        if progress is not None and i and i % _PROGRESS_EVERY == 0:
+            progress(_PROGRESS_EVERY)
         arrival = float(trace.time_s[i])
         start = max(arrival, nodes[0])
         while pending and pending[0][0] <= start:
@@ -472,6 +356,8 @@ def simulate(
     while pending:
         _, k = heapq.heappop(pending)
         _offer(cache, pol, trace, k, int(rec["hit_blocks"][k]), rec, counts)
+    if progress is not None and n:
+        progress(n - (n - 1) // _PROGRESS_EVERY * _PROGRESS_EVERY)
     rec["arrival_s"] = trace.time_s.copy()
     rec["n_blocks"] = np.array([len(b) for b in trace.blocks], np.int64)
     rec["input_tokens"] = trace.input_len.astype(np.int64)
@@ -630,14 +516,16 @@ def compare(
     policies=POLICIES,
     rate_search: bool = False,
     attainment: float = 0.9,
+    progress: Progress | None = None,
 ) -> list[dict]:
     """Summary (plus ``wall_s``, the time of the one simulation) of every policy on one trace;
     with ``rate_search`` also ``throughput_rps`` / ``max_load_scale`` (``max_sustainable_rate``
-    at ``attainment``; ``rate_search_s``: its time)."""
+    at ``attainment``; ``rate_search_s``: its time). ``progress`` (optional) is told the
+    requests replayed by each policy's simulation (len(policies) × len(trace) in all)."""
     out = []
     for p in policies:
         t0 = time.perf_counter()
-        rec = simulate(trace, p, cfg=cfg, cost=cost)
+        rec = simulate(trace, p, cfg=cfg, cost=cost, progress=progress)
         row = summarize(p, rec, cost=cost, cfg=cfg) | {"wall_s": time.perf_counter() - t0}
         if rate_search:
             t0 = time.perf_counter()

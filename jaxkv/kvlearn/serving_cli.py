@@ -10,32 +10,40 @@ import json
 import time
 from pathlib import Path
 
+from jaxkv.kvlearn import cli_common
 from jaxkv.kvlearn import serving as SV
 from jaxkv.kvlearn.cost import GIB, CostModel
+from jaxkv.kvlearn.traces import load_mooncake_trace
 
 
 def add_arguments(p) -> None:
-    """The serving flags (ignored by the core simulator)."""
+    """The serving flags, each checked for range as it is parsed."""
+    num = cli_common.number
     g = p.add_argument_group("serving (Mooncake traces given with --trace)")
     g.add_argument(
         "--pool-gib",
         dest="serving_pool_gib",
         metavar="GIB",
-        type=float,
+        type=num(float, gt=0),
         default=None,
         help="pool size in GiB",
     )
     g.add_argument(
         "--pool-frac",
-        type=float,
+        type=num(float, ge=0, le=1),
         default=None,
         help="pool size as a fraction of the trace's distinct blocks (instead of --pool-gib)",
     )
-    g.add_argument("--prefill-nodes", type=int, default=24, help="prefill nodes (default 24)")
     g.add_argument(
-        "--load-scale", type=float, default=1.0, help="arrival-rate multiplier (default 1)"
+        "--prefill-nodes", type=num(int, ge=1), default=24, help="prefill nodes (default 24)"
     )
-    g.add_argument("--slo-ms", type=float, default=30_000.0, help="TTFT SLO (ms)")
+    g.add_argument(
+        "--load-scale",
+        type=num(float, gt=0),
+        default=1.0,
+        help="arrival-rate multiplier (default 1)",
+    )
+    g.add_argument("--slo-ms", type=num(float, gt=0), default=30_000.0, help="TTFT SLO (ms)")
     g.add_argument(
         "--rate-search",
         action="store_true",
@@ -43,55 +51,95 @@ def add_arguments(p) -> None:
     )
     g.add_argument(
         "--attainment",
-        type=float,
+        type=num(float, gt=0, le=1),
         default=0.9,
         help="fraction of requests that must meet the SLO for a rate to count as sustained",
     )
-    g.add_argument("--decode-nodes", type=int, default=8, help="decode nodes (default 8)")
-    g.add_argument("--decode-slots", type=int, default=32, help="sequences per decode node")
-    g.add_argument("--tpot-ms", type=float, default=25.0, help="decode time per output token")
     g.add_argument(
-        "--loads", type=_floats, default=[0.5, 1.0, 1.5, 2.0], help="load scales (--sweep)"
+        "--decode-nodes", type=num(int, ge=1), default=8, help="decode nodes (default 8)"
     )
     g.add_argument(
-        "--fracs", type=_floats, default=[0.1, 0.25, 0.5], help="pool fractions (--sweep)"
+        "--decode-slots", type=num(int, ge=1), default=32, help="sequences per decode node"
+    )
+    g.add_argument(
+        "--tpot-ms", type=num(float, ge=0), default=25.0, help="decode time per output token"
+    )
+    g.add_argument(
+        "--loads",
+        type=cli_common.number_list(num(float, gt=0)),
+        default=[0.5, 1.0, 1.5, 2.0],
+        help="load scales (--sweep)",
+    )
+    g.add_argument(
+        "--fracs",
+        type=cli_common.number_list(num(float, ge=0, le=1)),
+        default=[0.1, 0.25, 0.5],
+        help="pool fractions (--sweep)",
     )
 
 
-def _floats(s: str) -> list[float]:
-    return [float(x) for x in s.split(",") if x]
-
-
-def format_table(results: list[dict]) -> str:
-    head = (
-        f"{'policy':<14}{'TTFT mean':>11}{'p50':>10}{'p99':>11}{'blk hit %':>10}"
-        f"{'tok hit %':>10}{'xfer GiB':>10}{'wait ms':>10}{'goodput':>9}{'max rps':>9}"
-        f"{'e2e ms':>10}{'sim s':>7}"
-    )
-    lines = [head, "-" * len(head)]
-    for m in results:
-        rps = m.get("throughput_rps")
-        lines.append(
-            f"{m['policy']:<14}{m['ttft_ms_mean']:>11.1f}{m['ttft_ms_p50']:>10.1f}"
-            f"{m['ttft_ms_p99']:>11.1f}{100 * m['hit_rate']:>10.1f}"
-            f"{100 * m['token_hit_rate']:>10.1f}{m['transfer_gib']:>10.0f}"
-            f"{m['wait_ms_mean']:>10.1f}{m['goodput_rps']:>9.3f}"
-            f"{'-' if rps is None else f'{rps:.3f}':>9}{m['e2e_ms_mean']:>10.0f}{m['wall_s']:>7.2f}"
+def check_args(args) -> None:
+    """The serving simulator's argument rules, checked before the trace is read (fills
+    ``policies``)."""
+    if args.prp_checkpoint:
+        raise ValueError(
+            "--prp-checkpoint applies to the core simulator; the serving simulator's KVLearn "
+            "learns online"
         )
-    return "\n".join(lines)
-
-
-def _config(args, trace, cost: CostModel):
+    args.policies = args.policies or list(SV.POLICIES)
+    bad = [p for p in args.policies if p not in SV.POLICIES]
+    if bad:
+        raise ValueError(f"policies {bad} are not serving policies; choose from {SV.POLICIES}")
+    if args.sweep:
+        return
+    if args.pool_gib is not None and args.serving_pool_gib is not None:
+        raise ValueError("give the pool size once: positionally or with --pool-gib")
     gib = args.serving_pool_gib if args.serving_pool_gib is not None else args.pool_gib
     if gib is not None and args.pool_frac is not None:
         raise ValueError("give at most one of --pool-gib and --pool-frac")
+    if gib is None and args.pool_frac is None:
+        raise ValueError("serving mode needs --pool-gib X (or --pool-frac F)")
+
+
+COLUMNS: list[cli_common.Column] = [
+    ("policy", 14, lambda m: m["policy"]),
+    ("TTFT mean", 11, lambda m: f"{m['ttft_ms_mean']:.1f}"),
+    ("p50", 10, lambda m: f"{m['ttft_ms_p50']:.1f}"),
+    ("p99", 11, lambda m: f"{m['ttft_ms_p99']:.1f}"),
+    ("blk hit %", 10, lambda m: f"{100 * m['hit_rate']:.1f}"),
+    ("tok hit %", 10, lambda m: f"{100 * m['token_hit_rate']:.1f}"),
+    ("xfer GiB", 10, lambda m: f"{m['transfer_gib']:.0f}"),
+    ("wait ms", 10, lambda m: f"{m['wait_ms_mean']:.1f}"),
+    ("goodput", 9, lambda m: f"{m['goodput_rps']:.3f}"),
+    (
+        "max rps",
+        9,
+        lambda m: "-" if m.get("throughput_rps") is None else f"{m['throughput_rps']:.3f}",
+    ),
+    ("e2e ms", 10, lambda m: f"{m['e2e_ms_mean']:.0f}"),
+    ("sim s", 7, lambda m: f"{m['wall_s']:.2f}"),
+]
+
+
+def format_table(results: list[dict]) -> str:
+    """The serving policy table (columns widen for wide values)."""
+    return cli_common.format_columns(COLUMNS, results)
+
+
+def _replay_bar(trace, runs: int):
+    """A progress bar over ``runs`` replays of ``trace`` (in requests), shown when they touch
+    at least ``cli_common.PROGRESS_MIN_REQUESTS`` blocks."""
+    blocks = sum(len(b) for b in trace.blocks)
+    show = runs * blocks >= cli_common.PROGRESS_MIN_REQUESTS
+    return cli_common.progress_bar(runs * len(trace), desc="replay", unit="req", show=show)
+
+
+def _config(args, trace, cost: CostModel):
+    """The deployment; the pool arguments were checked by ``check_args``."""
     if args.pool_frac is not None:
-        if not 0 <= args.pool_frac:
-            raise ValueError(f"--pool-frac must be ≥ 0, got {args.pool_frac}")
         blocks = int(args.pool_frac * trace.n_blocks)
     else:
-        if gib is None or gib < 0:
-            raise ValueError("serving mode needs --pool-gib X (or --pool-frac F)")
+        gib = args.serving_pool_gib if args.serving_pool_gib is not None else args.pool_gib
         blocks = SV.pool_blocks_for(gib, cost, trace.block_tokens)
     return SV.ServingConfig(pool_blocks=blocks, **_deployment(args))
 
@@ -107,13 +155,12 @@ def _deployment(args) -> dict:
 
 
 def main(args, *, cost: CostModel) -> int:
-    base = SV.load_mooncake_trace(args.trace)
+    """Runs the serving simulator; ``args`` passed ``check_args`` and the output checks."""
+    with cli_common.file_progress(args.trace_file) as bar:
+        base = load_mooncake_trace(args.trace_file, progress=bar.update)
     if args.n_requests is not None:
         base = base.head(args.n_requests)
-    policies = args.policies or list(SV.POLICIES)
-    bad = [p for p in policies if p not in SV.POLICIES]
-    if bad:
-        raise ValueError(f"policies {bad} are not serving policies; choose from {SV.POLICIES}")
+    policies = args.policies
     if args.sweep:
         return _sweep(args, base, cost, policies)
     trace = base.scaled(args.load_scale)
@@ -129,14 +176,16 @@ def main(args, *, cost: CostModel) -> int:
         f"  prefill_nodes={cfg.prefill_nodes}  load_scale={args.load_scale:g}  "
         f"slo_ms={cfg.slo_ms:g}  model={cost.shape.name}\n"
     )
-    results = SV.compare(
-        trace,
-        cfg=cfg,
-        cost=cost,
-        policies=policies,
-        rate_search=args.rate_search,
-        attainment=args.attainment,
-    )
+    with _replay_bar(trace, len(policies)) as bar:
+        results = SV.compare(
+            trace,
+            cfg=cfg,
+            cost=cost,
+            policies=policies,
+            rate_search=args.rate_search,
+            attainment=args.attainment,
+            progress=bar.update,
+        )
     print(format_table(results))
     print(
         "\n(TTFT, wait and end-to-end in ms; goodput = requests meeting the TTFT SLO per second; "
@@ -168,26 +217,36 @@ def main(args, *, cost: CostModel) -> int:
 def _sweep(args, base, cost, policies) -> int:
     rows = []
     t0 = time.perf_counter()
-    for frac in args.fracs:
-        cfg = SV.ServingConfig(pool_blocks=int(frac * base.n_blocks), **_deployment(args))
-        for load in args.loads:
-            for r in SV.compare(base.scaled(load), cfg=cfg, cost=cost, policies=policies):
-                rows.append(r | {"pool_frac": frac, "load_scale": load})
+    runs = len(args.fracs) * len(args.loads) * len(policies)
+    with _replay_bar(base, runs) as bar:
+        for frac in args.fracs:
+            cfg = SV.ServingConfig(pool_blocks=int(frac * base.n_blocks), **_deployment(args))
+            for load in args.loads:
+                for r in SV.compare(
+                    base.scaled(load), cfg=cfg, cost=cost, policies=policies, progress=bar.update
+                ):
+                    rows.append(r | {"pool_frac": frac, "load_scale": load})
     print(f"serving sweep: {len(rows)} runs in {time.perf_counter() - t0:.1f} s")
     for frac in args.fracs:
         print(f"\npool {100 * frac:g} % of distinct blocks: mean TTFT (ms) per load scale")
-        print(f"{'policy':<14}" + "".join(f"{x:>11g}x" for x in args.loads))
-        for p in policies:
-            cells = {
-                r["load_scale"]: r for r in rows if r["policy"] == p and r["pool_frac"] == frac
-            }
-            print(f"{p:<14}" + "".join(f"{cells[x]['ttft_ms_mean']:>12.1f}" for x in args.loads))
+        print(_sweep_table(rows, frac=frac, loads=args.loads, policies=policies))
     plot_sweep(rows, path=args.plot, fracs=args.fracs, loads=args.loads, policies=policies)
     print(f"plot: {args.plot}")
     if args.json:
         config = {"trace": args.trace, "fracs": args.fracs, "loads": args.loads}
         _write_json(args.json, {"config": config | {"nodes": args.prefill_nodes}, "runs": rows})
     return 0
+
+
+def _sweep_table(rows, *, frac, loads, policies) -> str:
+    """Mean TTFT per policy (rows) and load scale (columns) at one pool fraction."""
+    cells = {(r["policy"], r["load_scale"]): r for r in rows if r["pool_frac"] == frac}
+    columns: list[cli_common.Column] = [("policy", 14, lambda row: row["policy"])]
+    columns += [
+        (f"{x:g}x", 12, lambda row, x=x: f"{cells[(row['policy'], x)]['ttft_ms_mean']:.1f}")
+        for x in loads
+    ]
+    return cli_common.format_columns(columns, [{"policy": p} for p in policies], rule=False)
 
 
 def plot_sweep(rows, *, path, fracs, loads, policies) -> None:

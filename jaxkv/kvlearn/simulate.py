@@ -23,8 +23,8 @@ import numpy as np
 from jaxkv.kvlearn import baselines as B
 from jaxkv.kvlearn import control
 from jaxkv.kvlearn.cost import GIB, CostModel
-from jaxkv.kvlearn.pool import bytes_to_kib
-from jaxkv.kvlearn.traces import Trace, next_use_index
+from jaxkv.kvlearn.pool import MAX_CAPACITY_KIB, block_kib, bytes_to_kib
+from jaxkv.kvlearn.traces import Progress, Trace, next_use_index
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,14 +48,15 @@ class SimConfig:
 
 
 def sim_requests(trace: Trace, *, cost: CostModel, seed: int) -> B.SimRequest:
-    """[N] numpy arrays of the request stream for one run."""
-    n = len(trace)
+    """[N] numpy arrays of the request stream for one run (block sizes saturate at
+    ``pool.MAX_KIB`` KiB, larger than any pool)."""
+    n, bpt = len(trace), cost.shape.bytes_per_token
     return B.SimRequest(
         key=trace.key.astype(np.int32),
         tokens=trace.tokens.astype(np.int32),
         modality=trace.modality.astype(np.int32),
         time=trace.time_s.astype(np.float32),
-        kib=bytes_to_kib(cost.footprint_bytes(trace.tokens.astype(np.int64))).astype(np.int32),
+        kib=block_kib(trace.tokens.astype(np.int64), bytes_per_token=bpt).astype(np.int32),
         index=np.arange(n, dtype=np.int32),
         next_use=next_use_index(trace.key),
         u=np.random.default_rng([seed, 1]).random(n).astype(np.float32),
@@ -169,8 +170,11 @@ def _runner(
 
 
 def _inputs(trace: Trace, *, capacity_bytes: float, seed: int, cost: CostModel, prp=None):
-    if capacity_bytes < 0:
-        raise ValueError(f"pool capacity must be ≥ 0 bytes, got {capacity_bytes}")
+    if not 0 <= capacity_bytes <= MAX_CAPACITY_KIB * 1024:
+        raise ValueError(
+            f"pool capacity must be ≥ 0 and ≤ {MAX_CAPACITY_KIB * 1024} bytes (2047 GiB), "
+            f"got {capacity_bytes}"
+        )
     popularity = trace.popularity if trace.popularity is not None else trace.empirical_popularity()
     tokens_K = np.ones(trace.n_keys, np.int64)
     tokens_K[trace.key] = trace.tokens
@@ -288,12 +292,18 @@ def compare(
     policies=B.POLICIES,
     sim_cfg: SimConfig | None = None,
     prp=None,
+    progress: Progress | None = None,
 ) -> list[dict]:
-    """Metrics of every policy on one trace."""
-    return [
-        run(p, trace, capacity_bytes=capacity_bytes, seed=seed, sim_cfg=sim_cfg, prp=prp)
-        for p in policies
-    ]
+    """Metrics of every policy on one trace; ``progress`` (optional) is told len(trace) requests
+    after each policy's run (a run is one jitted scan, so there is nothing finer to report)."""
+    out = []
+    for p in policies:
+        out.append(
+            run(p, trace, capacity_bytes=capacity_bytes, seed=seed, sim_cfg=sim_cfg, prp=prp)
+        )
+        if progress is not None:
+            progress(len(trace))
+    return out
 
 
 def sweep(
