@@ -1,6 +1,13 @@
 """``python -m jaxkv.eval``: evaluation and generation from the command line.
 
-With no arguments: a small fidelity comparison of every policy on the embedded model.
+With no arguments: the main job, a small fidelity comparison of the full cache, four heuristics
+and the shipped learned policy on the embedded model (``jaxkv.evals.cli.DEFAULT_JOB``), written to
+a new ``runs/fidelity-<YYYYmmdd-HHMMSS>/``.
+
+Every flag is checked before the model loads: ``generate --budget 0`` says "must be an integer
+>= 1", ``--ratio``/``--budget``/``--min-budget``/``--granularity``/``--evict-every`` without an
+evicting ``--policy`` are an error (not silently ignored), and a bad ``learned:`` folder is one
+line, ``error: ...``, exit status 2.
 
 Subcommands:
     generate   generate text with the embedded (or any) model, optionally compressed
@@ -15,25 +22,62 @@ import argparse
 import sys
 import time
 
+from jaxkv.evals import flags
 from jaxkv.evals.cli import SUBCOMMANDS
 from jaxkv.eviction import Compression
 from jaxkv.policies.base import GRANULARITIES, policy_names
+
+COMPRESSION_FLAGS = ("ratio", "budget", "min_budget", "granularity", "evict_every")
+DEFAULT_RATIO = 0.25
+
+
+def generate_compression(args: argparse.Namespace) -> dict:
+    """The ``jaxkv.generate`` compression keywords of ``generate``'s flags ({} = full cache).
+
+    A learned policy is resolved and loaded here (``runner.learned_path``), so a bad checkpoint
+    folder fails before the model loads.
+
+    Raises:
+        ValueError: compression flags without an evicting ``--policy``, both ``--ratio`` and
+            ``--budget``, a bad value (``Compression``'s message), or a bad learned policy.
+    """
+    given = [f for f in COMPRESSION_FLAGS if getattr(args, f) is not None]
+    if args.policy in (None, "full"):
+        if given:
+            names = "/".join("--" + f.replace("_", "-") for f in given)
+            need = "need" if len(given) > 1 else "needs"
+            raise ValueError(
+                f"{names} {need} --policy (an evicting one, e.g. --policy snapkv); "
+                f"{'--policy full' if args.policy else 'without --policy, the cache'} keeps "
+                f"every token"
+            )
+        return {}
+    if args.ratio is not None and args.budget is not None:
+        raise ValueError("give --ratio or --budget, not both")
+    policy = args.policy
+    if policy.startswith("learned:"):
+        from jaxkv.evals import runner
+
+        spec = policy.split(":", 1)[1]
+        if not spec.strip():
+            raise ValueError("--policy learned: needs a checkpoint folder")
+        policy = runner.load_learned_policy(runner.learned_path(spec))
+    compression = dict(
+        policy=policy,
+        ratio=DEFAULT_RATIO if args.ratio is None and args.budget is None else args.ratio,
+        budget=args.budget,
+    )
+    compression.update(
+        {f: getattr(args, f) for f in ("min_budget", "granularity", "evict_every") if f in given}
+    )
+    Compression.make(**compression)  # validate before the slow model load
+    return compression
 
 
 def _generate_cmd(args: argparse.Namespace) -> int:
     import jaxkv
 
-    compression = {}
-    if args.policy not in (None, "full"):
-        compression = dict(
-            policy=args.policy,
-            ratio=None if args.budget else args.ratio,
-            budget=args.budget,
-            min_budget=args.min_budget,
-            granularity=args.granularity,
-            evict_every=args.evict_every,
-        )
-        Compression.make(**compression)  # validate before the slow model load
+    compression = generate_compression(args)
     t0 = time.perf_counter()
     model = jaxkv.load(args.model)
     t1 = time.perf_counter()
@@ -57,17 +101,30 @@ def _generate_cmd(args: argparse.Namespace) -> int:
 
 
 def _add_compression_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("KV-cache compression")
+    g = parser.add_argument_group("KV-cache compression (these flags need an evicting --policy)")
     g.add_argument(
         "--policy",
         default=None,
-        help=f"eviction policy: {', '.join(policy_names())} (default: full cache)",
+        help=f"eviction policy: {', '.join(policy_names())} (default: full cache); "
+        "learned:<folder> is also looked up under the repository root and its policies/",
     )
-    g.add_argument("--ratio", type=float, default=0.25, help="budget ratio r in (0, 1]")
-    g.add_argument("--budget", type=int, default=None, help="absolute budget instead of --ratio")
-    g.add_argument("--min-budget", type=int, default=32, help="B_min")
-    g.add_argument("--granularity", default="shared", choices=GRANULARITIES)
-    g.add_argument("--evict-every", type=int, default=1, help="evict every k decode steps")
+    g.add_argument(
+        "--ratio",
+        type=flags.fraction,
+        default=None,
+        help=f"budget ratio r in (0, 1] (default {DEFAULT_RATIO} unless --budget)",
+    )
+    g.add_argument(
+        "--budget", type=flags.positive_int, default=None, help="absolute budget instead of --ratio"
+    )
+    g.add_argument("--min-budget", type=flags.positive_int, default=None, help="B_min (default 32)")
+    g.add_argument("--granularity", default=None, choices=GRANULARITIES, help="default: shared")
+    g.add_argument(
+        "--evict-every",
+        type=flags.positive_int,
+        default=None,
+        help="evict every k decode steps (default 1)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,10 +143,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--prompt", action="append", required=True, help="prompt text (repeat for a batch)"
     )
-    gen.add_argument("--max-new-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--max-new-tokens", type=flags.positive_int, default=128)
+    gen.add_argument(
+        "--temperature", type=flags.nonnegative_float, default=0.0, help=">= 0; 0 = greedy"
+    )
+    gen.add_argument("--top-p", type=flags.fraction, default=1.0, help="nucleus mass in (0, 1]")
+    gen.add_argument("--seed", type=flags.seed, default=0, help="sampling seed (>= 0)")
     gen.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     _add_compression_args(gen)
     gen.set_defaults(func=_generate_cmd)
@@ -112,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, TypeError) as e:
+    except (ValueError, OSError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

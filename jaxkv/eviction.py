@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -48,16 +49,20 @@ class Compression:
     full_heads: float = 0.0
 
     def __post_init__(self):
-        if (self.ratio is None) == (self.budget is None):
-            raise ValueError("give exactly one of ratio and budget")
-        if self.ratio is not None and not 0 < self.ratio <= 1:
+        # Check each given value first, so that a bad value is named even when both are given.
+        if self.budget is not None:
+            _check_int("budget", self.budget)
+        if self.ratio is not None and not (_is_real(self.ratio) and 0 < self.ratio <= 1):
             raise ValueError(f"ratio must be in (0, 1], got {self.ratio}")
-        if self.budget is not None and self.budget < 1:
-            raise ValueError(f"budget must be >= 1, got {self.budget}")
-        if self.min_budget < 1:
-            raise ValueError(f"min_budget must be >= 1, got {self.min_budget}")
-        if self.evict_every < 1:
-            raise ValueError(f"evict_every must be >= 1, got {self.evict_every}")
+        if self.ratio is None and self.budget is None:
+            raise ValueError("give exactly one of ratio and budget (got neither)")
+        if self.ratio is not None and self.budget is not None:
+            raise ValueError(
+                f"give exactly one of ratio and budget, not both "
+                f"(got ratio={self.ratio}, budget={self.budget})"
+            )
+        _check_int("min_budget", self.min_budget)
+        _check_int("evict_every", self.evict_every)
         if self.granularity not in GRANULARITIES:
             raise ValueError(
                 f"unknown granularity {self.granularity!r}; choose one of {GRANULARITIES}"
@@ -106,6 +111,17 @@ class Compression:
         return min(self.max_budget(n_max) + self.evict_every, n_max)
 
 
+def _is_real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _check_int(name: str, value) -> None:
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+
+
 def aggregate(scores, granularity: str, shape_LBKC) -> jax.Array:
     """Averages scores over the axes a granularity shares; returns [L, B, K, C] (broadcast)."""
     if scores.ndim == 2:  # [B, C]: one score per token
@@ -148,10 +164,25 @@ def evict(
     policy_state,
     *,
     key: jax.Array,
-    max_drop: int,
+    max_drop: int | None = None,
     keep_rows=None,
 ) -> KVCache:
-    """Scores the cache with the policy and frees slots down to each sequence's budget."""
+    """Scores the cache with the policy and frees slots down to each sequence's budget.
+
+    Args:
+        cache: the cache to compress.
+        compression: the policy, budget and granularity.
+        policy_state: the policy's state (None for the heuristics).
+        key: randomness of the policy (the random policy).
+        max_drop: at most this many lowest-scored slots per row are freed (static). The
+            default, None, frees as many as the budget needs (every slot is a candidate), as
+            after prefill. The decode loop passes ``compression.evict_every``: at most that many
+            tokens arrived since the last eviction, and fewer candidates cost less.
+        keep_rows: [L, B, K] rows that keep every token (``hybrid_full_rows``), or None.
+
+    Returns:
+        The cache with the evicted slots freed (``pos == -1``); no key moves.
+    """
     budget_B = compression.budget_for(cache.length)
     raw = compression.policy.score(policy_state, cache, budget_B=budget_B, key=key)
     scores = aggregate(raw, compression.granularity, cache.pos.shape)
@@ -161,6 +192,8 @@ def evict(
         # tokens: select on one row per set and broadcast the decision (L * K times less work).
         one = _SET_ROWS[compression.granularity]
         scores, pos = scores[one], pos[one]
+    if max_drop is None:
+        max_drop = cache.capacity
     drop = drop_mask(scores, pos, budget_B, max_drop=max_drop, keep_rows=keep_rows)
     return kvcache.free_slots(cache, drop)
 

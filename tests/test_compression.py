@@ -270,3 +270,28 @@ def test_invalid_settings_raise_clear_errors():
         kvcache.init_cache(CFG, batch_size=1, capacity=4, stats=("attention",))
     with pytest.raises(ValueError, match=r"unknown cache statistics \['attention'\]; valid"):
         Policy("mine", score=lambda *a, **k: None, stats=("attention",))
+
+
+def test_bad_budget_is_named_even_beside_a_ratio():
+    # ``generate --budget 0`` used to pass the default ratio too and got "give exactly one"
+    with pytest.raises(ValueError, match="budget must be >= 1, got 0"):
+        Compression.make("h2o", ratio=0.25, budget=0)
+    with pytest.raises(ValueError, match="not both"):
+        Compression.make("h2o", ratio=0.25, budget=8)
+    for field in ("budget", "min_budget", "evict_every"):
+        with pytest.raises(ValueError, match=f"{field} must be an integer"):
+            Compression.make("h2o", **{"ratio": None, "budget": 8, field: 2.5})
+
+
+@pytest.mark.parametrize("name", ["snapkv", "h2o", "streaming_llm"])
+def test_evict_after_prefill_reaches_the_budget_by_default(name):
+    # the README's snippet: prefill 256 tokens, then one evict() call without max_drop
+    comp = Compression.make(name, ratio=0.25, min_budget=32)
+    cache = kvcache.init_cache(CFG, batch_size=2, capacity=256, stats=comp.stats)
+    tokens = jax.random.randint(jax.random.key(4), (2, 256), 0, CFG.vocab_size)
+    _, cache = decoder.prefill(PARAMS, tokens, cache, config=CFG)
+    evicted = eviction.evict(cache, comp, comp.policy.init(), key=jax.random.key(5))
+    np.testing.assert_array_equal(jnp.sum(evicted.pos >= 0, axis=-1), 64)  # floor(0.25 * 256)
+    # the decode path's bounded form still frees at most max_drop slots per call
+    one = eviction.evict(cache, comp, comp.policy.init(), key=jax.random.key(5), max_drop=1)
+    np.testing.assert_array_equal(jnp.sum(one.pos >= 0, axis=-1), 255)

@@ -313,6 +313,13 @@ def test_default_job_and_subcommands():
         "latency",
     }
     args = cli.build_parser().parse_args(cli.DEFAULT_JOB)
-    assert args.command == "fidelity" and args.ratios == "0.5,0.25,0.125"
-    assert args.model == "smollm2-135m"
-    assert set(args.policies.split(",")) == {"full", *HEURISTICS.split(",")}
+    assert args.command == "fidelity" and args.ratios == "0.25,0.125"
+    assert args.model == "smollm2-135m" and args.out is None  # a new runs/fidelity-<time>/
+    assert set(args.policies.split(",")) == {
+        "full",
+        "streaming_llm",
+        "h2o",
+        "snapkv",
+        "tova",
+        "learned:policies/distillcache_smollm2_cpu",
+    }

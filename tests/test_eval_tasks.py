@@ -201,6 +201,45 @@ def test_longbench_missing_field_and_bad_names(tmp_path):
         T.longbench_examples(tmp_path / "absent.jsonl", dataset="hotpotqa")
 
 
+@pytest.mark.parametrize(
+    "field, value, want",
+    [
+        ("answers", "Ada Lovelace", "a non-empty list of strings"),
+        ("answers", ["Ada", 7], "a non-empty list of strings"),
+        ("answers", {"a": "Ada"}, "a non-empty list of strings"),
+        ("context", ["Passage"], "a string"),
+        ("context", 17, "a string"),
+        ("input", {"q": "?"}, "a string"),
+        ("length", "12", "an integer"),
+        ("length", 12.5, "an integer"),
+        ("length", True, "an integer"),
+        ("all_classes", "Location", "a list of strings or null"),
+        ("_id", ["id"], "a string"),
+    ],
+)
+def test_longbench_rejects_fields_of_the_wrong_type(tmp_path, field, value, want):
+    path = _write_jsonl(tmp_path / "hotpotqa.jsonl", [_record(0), _record(1, **{field: value})])
+    with pytest.raises(ValueError, match=rf"hotpotqa\.jsonl:2: field '{field}' must be {want}"):
+        T.longbench_examples(path)
+
+
+@pytest.mark.parametrize("text", ["", "\n\n  \n"])
+def test_longbench_file_without_records_is_an_error(tmp_path, text):
+    path = tmp_path / "hotpotqa.jsonl"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=r"hotpotqa\.jsonl: no records"):
+        T.longbench_examples(path)
+    with pytest.raises(ValueError, match="no records"):
+        list(T.iter_longbench_examples(path))
+
+
+def test_longbench_binary_file_is_not_text(tmp_path):
+    path = tmp_path / "hotpotqa.jsonl"
+    path.write_bytes(b"\xff\xfe\x00garbage\x89PNG")
+    with pytest.raises(ValueError, match=r"hotpotqa\.jsonl is not UTF-8 text"):
+        T.longbench_examples(path)
+
+
 def test_longbench_config_metric_names_are_registered():
     config = T.load_longbench_config()
     english = {d: m for d, m in config.metric.items() if not m.endswith("zh_score")}
@@ -302,6 +341,33 @@ def test_text_windows_errors(tmp_path):
         T.text_windows(short, **kw)
     with pytest.raises(ValueError, match="window > 0"):
         T.text_windows(short, window=0, n_windows=1, tokenizer=_word_ids())
+
+
+def test_text_files_that_cannot_give_a_window_are_named(tmp_path):
+    binary = tmp_path / "model.bin"
+    binary.write_bytes(bytes(range(256)) * 8)
+    nul = tmp_path / "nul.txt"
+    nul.write_text("text\0" * 500)
+    one_line = tmp_path / "one.txt"
+    one_line.write_text("a single line of text without a break " * 40)
+    short = tmp_path / "short.txt"
+    short.write_text("one two three\n" * 30)
+    for path in (binary, nul):
+        with pytest.raises(ValueError, match=rf"{path.name} is not UTF-8 text"):
+            T.check_text_windows(path, window=8, n_windows=1)
+        with pytest.raises(ValueError, match=rf"{path.name} is not UTF-8 text"):
+            T.text_windows(path, window=8, n_windows=1, tokenizer=_word_ids())
+    with pytest.raises(ValueError, match=r"held-out part .* is empty: the file has 1 line"):
+        T.check_text_windows(one_line, window=8, n_windows=1)
+    # before any tokenizer: fewer bytes than a window's tokens
+    with pytest.raises(ValueError, match=r"only 42 bytes.*need at least 64 for one window"):
+        T.check_text_windows(short, window=64, n_windows=1)
+    with pytest.raises(ValueError, match=r"only 420 bytes.*3 windows of 200 need 600"):
+        T.check_text_windows(short, window=200, n_windows=3, heldout_fraction=1.0)
+    T.check_text_windows(short, window=200, n_windows=2, heldout_fraction=1.0)  # may fit
+    # with the tokenizer: the exact count
+    with pytest.raises(ValueError, match=r"has only 9 tokens.*need at least 16 for one window"):
+        T.text_windows(short, window=16, n_windows=1, tokenizer=_word_ids())
 
 
 def test_text_windows_default_is_tinyshakespeare_tail():

@@ -1,7 +1,6 @@
 """Golden equivalence against transformers' PyTorch models (float32)."""
 
 import dataclasses
-from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np

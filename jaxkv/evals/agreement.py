@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxkv.evals import benchmarks, metrics, report, tasks
+from jaxkv.evals import benchmarks, flags, metrics, report, tasks
 
 NAME = "agreement"
 SOLVED = 0.5  # an example counts as solved when its task score reaches this
@@ -137,12 +137,18 @@ def add_parsers(sub, *, common) -> None:
     common(p, ratios="0.25", policies="streaming_llm,h2o,snapkv,tova", limit=8)
     p.add_argument("--task", default="gsm8k", help="gsm8k, bbh/<task>, or longbench (--data)")
     p.add_argument("--data", default=None, help="LongBench JSONL file (with --task longbench)")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="default: the task's")
-    p.add_argument("--max-length", type=int, default=3500, help="LongBench prompt tokens")
+    p.add_argument(
+        "--max-new-tokens", type=flags.positive_int, default=None, help="default: the task's"
+    )
+    p.add_argument(
+        "--max-length", type=flags.positive_int, default=3500, help="LongBench prompt tokens"
+    )
     p.set_defaults(func=_agreement_cmd)
 
 
 def _examples(args: argparse.Namespace):
+    if args.data is not None and args.task != "longbench":
+        raise ValueError(f"--data is only read with --task longbench (got --task {args.task})")
     if args.task == "gsm8k":
         return tasks.gsm8k_examples("test", limit=args.limit)
     if args.task.startswith("bbh/"):
@@ -159,6 +165,8 @@ def _agreement_cmd(args: argparse.Namespace) -> int:
     from jaxkv.evals.cli import _finish, _parse_common, common_config
 
     groups, ratios, seeds = _parse_common(args)
+    if all(g.is_full for g in groups):
+        raise ValueError("agreement needs at least one evicting policy (not only 'full')")
     examples = _examples(args)
     model = runner.load_eval_model(args.model)
     store = report.ResultStore(

@@ -2,10 +2,11 @@
 
 One engine, ``run_generation``: examples are read lazily in batches; each batch is generated
 greedily with the full cache and then under every policy × ratio (× seed), every completion is
-scored, and the batch's records are saved before the next batch is read. A malformed line later
-in a file therefore stops the run with its line number while the finished examples stay on
-disk. Records keep the completion text and token count, so ``jaxkv.evals.agreement`` compares
-the same generations with the full cache's.
+scored, and the batch's records are saved before the next batch is read. Before the model
+loads, every ``--data`` file must exist and be UTF-8 text with a valid first record (an empty
+file is an error, not an empty result); a malformed line later in a file stops the run with its
+line number while the finished examples stay on disk. Records keep the completion text and
+token count, so ``jaxkv.evals.agreement`` compares the same generations with the full cache's.
 
 * ``gsm8k``: 8-shot chain of thought, exact match of ``metrics.gsm8k_extract`` with the target.
 * ``bbh``: 3-shot chain of thought, ``metrics.bbh_match`` (``--tasks``, comma list).
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxkv.evals import metrics, report, tasks
+from jaxkv.evals import flags, metrics, report, tasks
 from jaxkv.evals.runner import (
     ByteTokenizer,
     EvalModel,
@@ -181,6 +182,10 @@ def run_generation(
 
     Returns:
         The store's summarized rows.
+
+    Raises:
+        ValueError: ``examples`` is empty (a run without examples is no result), or a prompt
+            does not fit the model's context.
     """
     members = [p for g in groups if not g.is_full for p in g.members]
     runs = [(g, m, s) for g in groups if not g.is_full for m, s in g.runs(seeds)]
@@ -190,8 +195,10 @@ def run_generation(
     }
     n_cells = 1 + len(ratios) * len(runs)
     bar_total = None if total is None else -(-total // batch_size) * n_cells
+    n_examples = 0
     with report.progress(bar_total or 0, desc=store.name) as bar:
         for batch in _batches(examples, batch_size):
+            n_examples += len(batch)
             ids = [prompt_ids(model, e, max_length=max_length) for e in batch]
             new = max_new_tokens or max(e.meta["max_new_tokens"] for e in batch)
             check_fits(model, max(map(len, ids)) + new, what=batch[0].id)
@@ -228,6 +235,8 @@ def run_generation(
                         )
                     )
                     bar.update()
+    if not n_examples:
+        raise ValueError(f"{store.name}: no examples to run")
     return store.results()
 
 
@@ -315,21 +324,27 @@ def add_parsers(sub, *, common) -> None:
     gsm = sub.add_parser("gsm8k", help="GSM8K 8-shot chain of thought (exact match)")
     common(gsm, ratios="0.5,0.25,0.125", policies="full,streaming_llm,h2o,snapkv", limit=20)
     gsm.add_argument("--split", default="test", choices=("test", "train"))
-    gsm.add_argument("--shots", type=int, default=8, help="chain-of-thought exemplars")
-    gsm.add_argument("--max-new-tokens", type=int, default=None, help="default: 512")
+    gsm.add_argument(
+        "--shots", type=flags.int_range(0, 8), default=8, help="chain-of-thought exemplars"
+    )
+    gsm.add_argument("--max-new-tokens", type=flags.positive_int, default=None, help="default: 512")
     gsm.set_defaults(func=_gsm8k_cmd)
     bbh = sub.add_parser("bbh", help="BIG-Bench Hard 3-shot chain of thought (exact match)")
     common(bbh, ratios="0.5,0.25,0.125", policies="full,streaming_llm,h2o,snapkv", limit=10)
     bbh.add_argument("--tasks", default="date_understanding", help="comma list of BBH tasks")
-    bbh.add_argument("--max-new-tokens", type=int, default=None, help="default: 512")
+    bbh.add_argument("--max-new-tokens", type=flags.positive_int, default=None, help="default: 512")
     bbh.set_defaults(func=_bbh_cmd)
     lb = sub.add_parser("longbench", help="LongBench-format JSONL (official prompts/metrics)")
     common(lb, ratios="0.5,0.25,0.125", policies="full,streaming_llm,h2o,snapkv", limit=None)
     lb.add_argument("--data", required=True, action="append", help="JSONL file (repeatable)")
     lb.add_argument("--dataset", default=None, help="dataset name (default: from file name)")
     lb.add_argument("--config-dir", default=None, help="LongBench config folder")
-    lb.add_argument("--max-length", type=int, default=3500, help="prompt tokens kept at most")
-    lb.add_argument("--max-new-tokens", type=int, default=None, help="default: dataset's")
+    lb.add_argument(
+        "--max-length", type=flags.positive_int, default=3500, help="prompt tokens kept at most"
+    )
+    lb.add_argument(
+        "--max-new-tokens", type=flags.positive_int, default=None, help="default: dataset's"
+    )
     lb.set_defaults(func=_longbench_cmd)
 
 
@@ -348,18 +363,18 @@ def _store(args, name: str, model: EvalModel, title: str, **config) -> report.Re
     )
 
 
-def _run_cmd(args, *, name, title, examples, total=None, max_length=None, **config) -> int:
+def _run_cmd(args, *, groups, ratios, seeds, name, title, examples, total=None, **config) -> int:
+    """Loads the model and runs ``examples(model)``; every argument is checked by now."""
     from jaxkv.evals import runner
-    from jaxkv.evals.cli import _finish, _parse_common
+    from jaxkv.evals.cli import _finish
 
-    groups, ratios, seeds = _parse_common(args)
+    max_length = config.pop("max_length", None)
     model = runner.load_eval_model(args.model)
-    examples = examples(model)
     store = _store(args, name, model, title, max_new_tokens=args.max_new_tokens, **config)
     run_generation(
         model,
         groups,
-        examples=examples,
+        examples=examples(model),
         ratios=ratios,
         seeds=seeds,
         store=store,
@@ -373,9 +388,15 @@ def _run_cmd(args, *, name, title, examples, total=None, max_length=None, **conf
 
 
 def _gsm8k_cmd(args: argparse.Namespace) -> int:
+    from jaxkv.evals.cli import _parse_common
+
+    groups, ratios, seeds = _parse_common(args)
     examples = tasks.gsm8k_examples(args.split, n_shot=args.shots, limit=args.limit)
     return _run_cmd(
         args,
+        groups=groups,
+        ratios=ratios,
+        seeds=seeds,
         name="gsm8k",
         title="GSM8K 8-shot CoT under KV compression (exact match, %)",
         examples=lambda model: examples,
@@ -386,10 +407,17 @@ def _gsm8k_cmd(args: argparse.Namespace) -> int:
 
 
 def _bbh_cmd(args: argparse.Namespace) -> int:
-    names = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    from jaxkv.evals.cli import _parse_common
+    from jaxkv.evals.runner import parse_list
+
+    groups, ratios, seeds = _parse_common(args)
+    names = list(dict.fromkeys(parse_list(args.tasks, kind=str, what="--tasks")))
     examples = [e for t in names for e in tasks.bbh_examples(t, limit=args.limit)]
     return _run_cmd(
         args,
+        groups=groups,
+        ratios=ratios,
+        seeds=seeds,
         name="bbh",
         title="BIG-Bench Hard 3-shot CoT under KV compression (exact match, %)",
         examples=lambda model: examples,
@@ -398,7 +426,20 @@ def _bbh_cmd(args: argparse.Namespace) -> int:
     )
 
 
+def check_longbench_files(paths: Sequence[str], *, dataset: str | None, config_dir) -> None:
+    """Fails fast, before a model loads: a missing or non-text file, an unknown dataset, a
+    file without records, or a bad first record. Later lines are checked as they are read."""
+    for path in paths:
+        it = tasks.iter_longbench_examples(path, dataset=dataset, config_dir=config_dir)
+        next(it)  # raises on an empty file (no StopIteration: the iterator raises instead)
+
+
 def _longbench_cmd(args: argparse.Namespace) -> int:
+    from jaxkv.evals.cli import _parse_common
+
+    groups, ratios, seeds = _parse_common(args)
+    check_longbench_files(args.data, dataset=args.dataset, config_dir=args.config_dir)
+
     def examples(model):
         for path in args.data:
             it = tasks.iter_longbench_examples(
@@ -406,11 +447,11 @@ def _longbench_cmd(args: argparse.Namespace) -> int:
             )
             yield from itertools.islice(it, args.limit)
 
-    for path in args.data:  # fail fast on a missing file or an unknown dataset
-        tasks.data_lib.require_file(path)
-        tasks.load_longbench_config(args.config_dir)
     return _run_cmd(
         args,
+        groups=groups,
+        ratios=ratios,
+        seeds=seeds,
         name="longbench",
         title="LongBench under KV compression (official metrics, 100 × mean)",
         examples=examples,

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import eviction, kvcache
-from jaxkv.evals import report
+from jaxkv.evals import flags, report
 from jaxkv.evals.runner import (
     EvalModel,
     PolicyGroup,
@@ -260,9 +260,11 @@ def add_parsers(sub, *, common) -> None:
     """Adds ``latency`` to the suite's subparsers."""
     p = sub.add_parser(NAME, help="per-component decode latency and tokens/s (Table 3)")
     common(p, ratios="0.25", policies="full,streaming_llm,h2o,snapkv,tova,knorm", limit=None)
-    p.add_argument("--context", type=int, default=1024, help="prompt tokens")
-    p.add_argument("--new-tokens", type=int, default=32, help="generated tokens (end to end)")
-    p.add_argument("--repeats", type=int, default=3, help="timed repeats (medians)")
+    p.add_argument("--context", type=flags.positive_int, default=1024, help="prompt tokens")
+    p.add_argument(
+        "--new-tokens", type=flags.positive_int, default=32, help="generated tokens (end to end)"
+    )
+    p.add_argument("--repeats", type=flags.positive_int, default=3, help="timed repeats (medians)")
     p.set_defaults(func=_latency_cmd, batch=1)
 
 
@@ -271,8 +273,7 @@ def _latency_cmd(args: argparse.Namespace) -> int:
     from jaxkv.evals.cli import _finish, _parse_common, common_config
 
     groups, ratios, _ = _parse_common(args)
-    if args.context < 1 or args.new_tokens < 1 or args.repeats < 1:
-        raise ValueError("--context, --new-tokens and --repeats must be >= 1")
+    tasks.check_text_windows(window=args.context, n_windows=args.batch)
     model = runner.load_eval_model(args.model)
     runner.check_fits(model, args.context + args.new_tokens, what="--context + --new-tokens")
     prompt = tasks.text_windows(

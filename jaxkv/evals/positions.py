@@ -17,7 +17,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxkv.evals import report
+from jaxkv.evals import flags, report
 from jaxkv.evals.fidelity import FidelitySettings
 from jaxkv.evals.runner import (
     EvalModel,
@@ -164,22 +164,27 @@ def add_parsers(sub, *, common) -> None:
     p = sub.add_parser(NAME, help="histogram of retained token positions (Fig. 5)")
     common(p, ratios="0.25", policies="random,streaming_llm,h2o,snapkv,tova,keydiff,knorm", limit=4)
     p.add_argument("--text", default=None, help="text file (default: tinyshakespeare)")
-    p.add_argument("--window", type=int, default=512, help="tokens per window")
-    p.add_argument("--prompt-len", type=int, default=256, help="prefilled tokens per window")
+    p.add_argument("--window", type=flags.int_range(2), default=512, help="tokens per window")
+    p.add_argument(
+        "--prompt-len", type=flags.positive_int, default=256, help="prefilled tokens per window"
+    )
     p.set_defaults(func=_positions_cmd)
 
 
 def _positions_cmd(args: argparse.Namespace) -> int:
     from jaxkv.evals import runner, tasks
-    from jaxkv.evals.cli import _finish, _parse_common, common_config
+    from jaxkv.evals.cli import _finish, _parse_common, check_prompt_len, common_config
 
     groups, ratios, seeds = _parse_common(args)
+    if all(g.is_full for g in groups):
+        raise ValueError("positions needs at least one evicting policy (not only 'full')")
+    check_prompt_len(args)
+    tasks.check_text_windows(args.text, window=args.window, n_windows=args.limit)
     model = runner.load_eval_model(args.model)
+    runner.check_fits(model, args.window, what="--window")
     windows = tasks.text_windows(
         args.text, window=args.window, n_windows=args.limit, tokenizer=model.tokenizer
     )
-    if not 0 < args.prompt_len < args.window:
-        raise ValueError(f"--prompt-len must be in [1, {args.window - 1}]")
     store = report.ResultStore(
         args.out,
         NAME,

@@ -3,9 +3,17 @@
 Every subcommand keeps a ``ResultStore``: fine-grained ``records`` (one per completed cell:
 a policy × ratio × seed run, or one example under one policy) and a ``summarize`` function
 that turns them into the table ``results``. After **every** record the store rewrites
-``DIR/<name>.json`` and ``DIR/<name>.md`` (atomically: a temporary file, then a rename), so an
-interrupted or failing run leaves every finished cell on disk with ``"complete": false``;
-``finish`` marks the run complete and draws the plots. The JSON layout:
+``DIR/<name>.json`` and ``DIR/<name>.md`` (atomically: a unique temporary file in ``DIR``, then
+a rename), so an interrupted or failing run leaves every finished cell on disk with
+``"complete": false``; ``finish`` marks the run complete and draws the plots.
+
+Nothing is written before the first record (or ``finish``): creating a store neither creates
+``DIR`` nor touches files in it. When ``DIR`` already holds ``<name>.json`` from an earlier run,
+that file stays intact until the new run has its first record, and is then replaced atomically
+(readers see the old version or the new one, never a mix); a run that fails earlier — bad
+arguments, a missing file, a model that does not load — leaves it as it was. The suite's
+command line writes each run to a fresh folder unless ``--out`` is given (``jaxkv.evals.cli``).
+The JSON layout:
 
 ``{"model": ..., "complete": bool, "config": {...}, "results": [...], "records": [...]}``
 """
@@ -16,6 +24,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -46,19 +55,32 @@ def _json_default(x: Any):
     raise TypeError(f"not JSON serializable: {type(x).__name__}")
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Writes ``text`` to ``path`` through a temporary file and a rename (never half a file)."""
+def write_atomic(path: str | os.PathLike, text: str) -> None:
+    """Writes ``text`` to ``path`` through a temporary file and a rename (never half a file).
+
+    The temporary file has a unique name in the same folder (``tempfile.mkstemp``), so
+    concurrent writers never share one: the file always holds one writer's complete text.
+    """
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; results are ordinary files
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 class ResultStore:
     """Results of one subcommand run, saved after every completed cell.
 
+    Files are first written at the first ``add`` (or ``finish``), see the module docstring.
+
     Args:
-        out_dir: the output folder (created).
+        out_dir: the output folder (created at the first save).
         name: file stem (``fidelity`` -> ``fidelity.json``, ``fidelity.md``, ``fidelity*.png``).
         model: the model name written as ``"model"``.
         config: the run's settings (written as ``"config"``).
@@ -88,7 +110,7 @@ class ResultStore:
         self._summarize, self._render, self._plot = summarize, render, plot
         self.title = title or name
         self.complete = False
-        self.save()
+        self.plots: list[Path] = []
 
     @property
     def json_path(self) -> Path:

@@ -18,11 +18,12 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from jaxkv.evals import benchmarks, metrics, report, tasks
+from jaxkv.evals import benchmarks, flags, metrics, report, tasks
 from jaxkv.evals.tasks import Example
 
 NAME = "retrieval"
 TASKS = ("passkey", "needle")
+MIN_LENGTH = 128  # tokens: room for the intro, the needle, the question and some filler
 
 
 def score_retrieval(completion: str, example: Example) -> float:
@@ -118,7 +119,9 @@ def add_parsers(sub, *, common) -> None:
     common(p, ratios="0.5,0.25,0.125", policies="full,streaming_llm,h2o,snapkv,tova", limit=6)
     p.add_argument("--tasks", default="passkey,needle", help="comma list: passkey, needle")
     p.add_argument("--lengths", default="1024,2048", help="context lengths in tokens")
-    p.add_argument("--data-seed", type=int, default=0, help="seed of keys, depths and filler")
+    p.add_argument(
+        "--data-seed", type=flags.seed, default=0, help="seed of keys, depths and filler"
+    )
     p.set_defaults(func=_retrieval_cmd, batch=6)
 
 
@@ -127,11 +130,13 @@ def _retrieval_cmd(args: argparse.Namespace) -> int:
     from jaxkv.evals.cli import _finish, _parse_common, common_config
 
     groups, ratios, seeds = _parse_common(args)
-    names = runner.parse_list(args.tasks, kind=str, what="--tasks")
-    lengths = runner.parse_list(args.lengths, kind=int, what="--lengths")
+    names = list(dict.fromkeys(runner.parse_list(args.tasks, kind=str, what="--tasks")))
+    lengths = list(dict.fromkeys(runner.parse_list(args.lengths, kind=int, what="--lengths")))
     for name in names:
         if name not in TASKS:
             raise ValueError(f"unknown retrieval task {name!r}; valid: {', '.join(TASKS)}")
+    if min(lengths) < MIN_LENGTH:
+        raise ValueError(f"--lengths must be >= {MIN_LENGTH} tokens, got {lengths}")
     model = runner.load_eval_model(args.model)
     for n_tokens in lengths:
         runner.check_fits(model, n_tokens + 64 + tasks.RETRIEVAL_MAX_NEW_TOKENS, what="--lengths")
@@ -145,24 +150,22 @@ def _retrieval_cmd(args: argparse.Namespace) -> int:
         plot=plot,
         title="Retrieval accuracy under KV compression (passkey / needle)",
     )
-    for name in names:
-        for n_tokens in lengths:
-            batch = examples(
-                name,
-                n_tokens=n_tokens,
-                n=args.limit,
-                seed=args.data_seed,
-                tokenizer=model.tokenizer,
-            )
-            benchmarks.run_generation(
-                model,
-                groups,
-                examples=batch,
-                ratios=ratios,
-                seeds=seeds,
-                store=store,
-                batch_size=args.batch,
-                min_budget=args.min_budget,
-                total=len(batch),
-            )
+    # every prompt is built (and checked) before the first cell runs and saves
+    batches = [
+        examples(name, n_tokens=n, n=args.limit, seed=args.data_seed, tokenizer=model.tokenizer)
+        for name in names
+        for n in lengths
+    ]
+    for batch in batches:
+        benchmarks.run_generation(
+            model,
+            groups,
+            examples=batch,
+            ratios=ratios,
+            seeds=seeds,
+            store=store,
+            batch_size=args.batch,
+            min_budget=args.min_budget,
+            total=len(batch),
+        )
     return _finish(store)

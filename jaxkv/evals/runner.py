@@ -5,6 +5,13 @@
 * ``parse_policies``: ``--policies`` items into ``PolicyGroup`` s. A group is one table row;
   its members are the seeds of a learned policy (``learned:a+b`` or a glob), and the random
   policy is seeded through the run key.
+* ``learned_path`` / ``load_learned_policy``: where a ``learned:<path>`` checkpoint lies and the
+  Policy saved there, with a one-line ``ValueError`` for anything that is not a policy folder.
+  A relative path is looked up in the working directory, then under the repository root
+  (``REPO_ROOT``, the folder holding ``jaxkv/`` and the shipped ``policies/``), then in
+  ``REPO_ROOT/policies``: ``learned:policies/distillcache_smollm2_cpu`` and
+  ``learned:distillcache_smollm2_cpu`` both name the shipped policy from any directory (in a
+  source checkout or an editable install; a wheel ships no ``policies/``).
 * ``switch_policy``: several policies behind one ``Policy`` whose state picks the member
   (``lax.switch``). Each compiled shape then serves every policy: on this CPU a compile of
   the 30-layer model costs ~25 s, so compiling once per (ratio, shape) instead of once per
@@ -18,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -33,6 +41,8 @@ from jaxkv.generate import generate_tokens
 from jaxkv.policies.base import Policy, get_policy, policy_names
 
 TINY = "tiny"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+POLICY_META = "policy.json"  # the file every policy checkpoint folder has (jaxkv.checkpoint)
 TINY_CONTEXT = 8192  # byte tokens: few-shot GSM8K / BBH prompts are 3-6K bytes
 
 
@@ -172,11 +182,13 @@ def parse_list(text: str, *, kind: type, what: str) -> list:
 
 
 def parse_ratios(text: str) -> list[float]:
-    """Budget ratios, each in (0, 1]."""
+    """Budget ratios, each in (0, 1], none twice."""
     ratios = parse_list(text, kind=float, what="--ratios")
     bad = [r for r in ratios if not 0 < r <= 1]
     if bad:
         raise ValueError(f"--ratios must lie in (0, 1], got {bad}")
+    if len(set(ratios)) != len(ratios):
+        raise ValueError(f"--ratios names a ratio twice: {ratios}")
     return ratios
 
 
@@ -205,27 +217,68 @@ def parse_policies(text: str) -> list[PolicyGroup]:
 
 
 def _learned_group(spec: str) -> PolicyGroup:
+    if not spec.strip():
+        raise ValueError(
+            "learned: needs a checkpoint folder, e.g. learned:distillcache_smollm2_cpu"
+        )
     paths = []
     for part in spec.split("+"):
-        matches = sorted(glob.glob(part)) if glob.has_magic(part) else [part]
-        if not matches:
-            raise ValueError(f"learned policy pattern {part!r} matches no checkpoint")
-        paths.extend(matches)
-    members = tuple(_load_learned(p) for p in paths)
-    label = "learned" if len(paths) > 1 else f"learned:{Path(paths[0]).name}"
+        if glob.has_magic(part):
+            matches = sorted(glob.glob(part))
+            if not matches and not Path(part).is_absolute():
+                matches = sorted(glob.glob(str(REPO_ROOT / part)))
+            if not matches:
+                raise ValueError(f"learned policy pattern {part!r} matches no checkpoint")
+            paths.extend(Path(m) for m in matches)
+        else:
+            paths.append(learned_path(part))
+    members = tuple(load_learned_policy(p) for p in paths)
+    label = "learned" if len(paths) > 1 else f"learned:{paths[0].name}"
     return PolicyGroup(label, members)
 
 
-def _load_learned(path: str) -> Policy:
+def learned_path(spec: str | os.PathLike) -> Path:
+    """The policy checkpoint folder that ``learned:<spec>`` names (see the module docstring).
+
+    Raises:
+        ValueError: one line: no such folder (naming where it looked), a file, or a folder
+            without ``policy.json``.
+    """
+    path = Path(spec).expanduser()
+    candidates = [path]
+    if not path.is_absolute():
+        candidates += [REPO_ROOT / path, REPO_ROOT / "policies" / path]
+    found = next((c for c in candidates if c.exists()), None)
+    if found is None:
+        where = ", ".join(str(c) for c in candidates)
+        raise ValueError(f"learned policy {str(spec)!r}: no such folder (looked for {where})")
+    if not found.is_dir():
+        raise ValueError(f"learned policy {str(found)!r} is a file, not a policy checkpoint folder")
+    if not (found / POLICY_META).is_file():
+        raise ValueError(
+            f"learned policy {str(found)!r} is not a policy checkpoint folder (no {POLICY_META}; "
+            f"write one with python -m jaxkv.train distillcache)"
+        )
+    return found
+
+
+def load_learned_policy(path: str | os.PathLike) -> Policy:
+    """The learned Policy saved in the folder ``path`` (after ``learned_path``).
+
+    Raises:
+        ValueError: one line naming the folder and the reason, whatever the checkpoint reader
+            raised (orbax and TensorStore raise many exception types, some with long texts).
+    """
     try:
         return get_policy(f"learned:{path}")
     except ImportError as err:
         raise ValueError(
-            f"cannot load learned policy {path!r}: the learned-policy code is not available "
-            f"({err}); heuristic policies: {policy_names()}"
+            f"cannot load learned policy {str(path)!r}: the learned-policy code is not "
+            f"available ({err}); heuristic policies: {policy_names()}"
         ) from err
-    except (OSError, KeyError) as err:
-        raise ValueError(f"cannot load learned policy checkpoint {path!r}: {err}") from err
+    except Exception as err:  # noqa: BLE001 - any reader failure is a bad checkpoint folder
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ValueError(f"cannot load learned policy {str(path)!r}: {first}") from err
 
 
 def switch_policy(members: Sequence[Policy], *, granularity: str = "shared") -> Policy:

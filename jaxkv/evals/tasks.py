@@ -36,6 +36,7 @@ training code can use the first 90 % only.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 from collections.abc import Callable, Iterator, Sequence
@@ -191,22 +192,32 @@ def gsm8k_examples(
     examples = []
     for lineno, record in data_lib.read_jsonl(path):
         _require_fields(record, ("question", "answer"), path=path, lineno=lineno)
-        examples.append(
-            Example(
-                id=f"gsm8k-{split}-{len(examples)}",
-                prompt=f"{prefix}Q: {record['question']}\nA:",
-                target=metrics.gsm8k_target(record["answer"]),
-                meta={
-                    "task": "gsm8k",
-                    "question": record["question"],
-                    "max_new_tokens": GSM8K_MAX_NEW_TOKENS,
-                    "stop": metrics.GSM8K_STOP,
-                },
-            )
-        )
+        examples.append(gsm8k_example(record, prefix=prefix, split=split, index=len(examples)))
         if limit is not None and len(examples) >= limit:
             break
     return _limit(examples, limit)
+
+
+def gsm8k_example(record: dict, *, prefix: str, split: str, index: int) -> Example:
+    """One GSM8K example from a ``{question, answer}`` record (the answer ends ``#### N``).
+
+    Args:
+        record: the GSM8K row.
+        prefix: the few-shot block (``gsm8k_fewshot_prefix``).
+        split: the split, named in the id.
+        index: the row's 0-based position in the split, named in the id.
+    """
+    return Example(
+        id=f"gsm8k-{split}-{index}",
+        prompt=f"{prefix}Q: {record['question']}\nA:",
+        target=metrics.gsm8k_target(record["answer"]),
+        meta={
+            "task": "gsm8k",
+            "question": record["question"],
+            "max_new_tokens": GSM8K_MAX_NEW_TOKENS,
+            "stop": metrics.GSM8K_STOP,
+        },
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -265,19 +276,29 @@ def bbh_examples(
     examples = []
     for i, row in enumerate(_limit(rows, limit)):
         _require_fields(row, ("input", "target"), path=path, lineno=None, index=i)
-        examples.append(
-            Example(
-                id=f"bbh/{task}-{i}",
-                prompt=f"{prefix}\n\nQ: {row['input']}\nA: Let's think step by step.",
-                target=str(row["target"]),
-                meta={
-                    "task": f"bbh/{task}",
-                    "max_new_tokens": BBH_MAX_NEW_TOKENS,
-                    "stop": metrics.BBH_STOP,
-                },
-            )
-        )
+        examples.append(bbh_example(row, prefix=prefix, task=task, index=i))
     return examples
+
+
+def bbh_example(row: dict, *, prefix: str, task: str, index: int) -> Example:
+    """One BBH example from an ``{input, target}`` row.
+
+    Args:
+        row: the BBH row.
+        prefix: the task's chain-of-thought prompt (``bbh_fewshot_prefix``).
+        task: the BBH task name.
+        index: the row's 0-based position in the task, named in the id.
+    """
+    return Example(
+        id=f"bbh/{task}-{index}",
+        prompt=f"{prefix}\n\nQ: {row['input']}\nA: Let's think step by step.",
+        target=str(row["target"]),
+        meta={
+            "task": f"bbh/{task}",
+            "max_new_tokens": BBH_MAX_NEW_TOKENS,
+            "stop": metrics.BBH_STOP,
+        },
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -331,39 +352,99 @@ def iter_longbench_examples(
     """Lazily yields LongBench examples from a LongBench-format JSONL file.
 
     Same arguments and errors as ``longbench_examples``; errors surface when the bad line is
-    reached, after the examples before it have been yielded.
+    reached, after the examples before it have been yielded. A file without any record raises
+    once it has been read to its end.
     """
+    data_lib.require_file(path)  # a missing file first: its name may not be a dataset's
     config = load_longbench_config(config_dir)
     dataset = dataset or longbench_dataset_name(path)
-    _check_longbench_dataset(dataset, config)
+    check_longbench_dataset(dataset, config)
+    n_records = 0
+    for lineno, record in _jsonl_records(path):
+        n_records += 1
+        yield longbench_example(record, config=config, dataset=dataset, path=path, lineno=lineno)
+    if not n_records:
+        raise ValueError(f"{path}: no records (the file is empty); a LongBench file needs some")
+
+
+def longbench_example(
+    record: dict, *, config: LongBenchConfig, dataset: str, path: PathLike, lineno: int
+) -> Example:
+    """One LongBench example from a record, checked, with the official template.
+
+    Args:
+        record: the LongBench row (``input``, ``context``, ``answers``; ``all_classes`` for the
+            classification datasets; ``_id`` and ``length`` are used when present).
+        config: the templates and metrics (``load_longbench_config``).
+        dataset: a dataset that ``check_longbench_dataset`` accepts.
+        path: where the record comes from, for errors.
+        lineno: its 1-based line, for errors, ``meta["line"]`` and the id of a row without ``_id``.
+
+    Raises:
+        ValueError: a missing field or one of the wrong type, naming ``path`` and ``lineno``.
+    """
     metric = config.metric[dataset]
     fields = ("input", "context", "answers")
     if metric == "classification_score":
         fields += ("all_classes",)
-    for lineno, record in data_lib.read_jsonl(path):
-        _require_fields(record, fields, path=path, lineno=lineno)
-        answers = record["answers"]
-        if isinstance(answers, str):
-            answers = [answers]
-        if not answers or not all(isinstance(a, str) for a in answers):
-            raise ValueError(f"{path}:{lineno}: 'answers' must be a non-empty list of strings")
-        yield Example(
-            id=str(record.get("_id") or f"{dataset}-{lineno}"),
-            prompt=config.prompts[dataset].format(context=record["context"], input=record["input"]),
-            target=tuple(answers),
-            meta={
-                "task": f"longbench/{dataset}",
-                "dataset": dataset,
-                "metric": metric,
-                "max_new_tokens": int(config.max_new_tokens[dataset]),
-                "stop": ("\n",) if dataset in config.newline_eos else (),
-                "all_classes": tuple(record.get("all_classes") or ()),
-                "length": record.get("length"),
-                "first_line_only": dataset in config.first_line_only,
-                "chat_template": dataset not in config.no_chat_template,
-                "line": lineno,
-            },
-        )
+    _require_fields(record, fields, path=path, lineno=lineno)
+    _check_longbench_types(record, path=path, lineno=lineno)
+    return Example(
+        id=str(record.get("_id") or f"{dataset}-{lineno}"),
+        prompt=config.prompts[dataset].format(context=record["context"], input=record["input"]),
+        target=tuple(record["answers"]),
+        meta={
+            "task": f"longbench/{dataset}",
+            "dataset": dataset,
+            "metric": metric,
+            "max_new_tokens": int(config.max_new_tokens[dataset]),
+            "stop": ("\n",) if dataset in config.newline_eos else (),
+            "all_classes": tuple(record.get("all_classes") or ()),
+            "length": record.get("length"),
+            "first_line_only": dataset in config.first_line_only,
+            "chat_template": dataset not in config.no_chat_template,
+            "line": lineno,
+        },
+    )
+
+
+def _jsonl_records(path: PathLike) -> Iterator[tuple[int, dict]]:
+    """``data.read_jsonl`` with a one-line error for a file that is not UTF-8 text."""
+    records = data_lib.read_jsonl(path)
+    while True:
+        try:
+            item = next(records)
+        except StopIteration:
+            return
+        except UnicodeDecodeError:
+            raise ValueError(f"{path} is not UTF-8 text") from None
+        yield item
+
+
+def _is_str_list(value: Any, *, non_empty: bool) -> bool:
+    return (
+        isinstance(value, list)
+        and all(isinstance(v, str) for v in value)
+        and (bool(value) or not non_empty)
+    )
+
+
+def _check_longbench_types(record: dict, *, path: PathLike, lineno: int) -> None:
+    """``file:line: field X must be ...`` for a field of the wrong type (absent ones pass)."""
+    checks = (
+        ("input", lambda v: isinstance(v, str), "a string"),
+        ("context", lambda v: isinstance(v, str), "a string"),
+        ("answers", lambda v: _is_str_list(v, non_empty=True), "a non-empty list of strings"),
+        ("all_classes", lambda v: _is_str_list(v, non_empty=False), "a list of strings or null"),
+        ("length", lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+        ("_id", lambda v: isinstance(v, (str, int)) and not isinstance(v, bool), "a string"),
+    )
+    for field, ok, want in checks:
+        value = record.get(field)
+        if value is not None and not ok(value):
+            got = json.dumps(value)
+            got = got if len(got) <= 40 else got[:37] + "..."
+            raise ValueError(f"{path}:{lineno}: field {field!r} must be {want}, got {got}")
 
 
 def longbench_examples(
@@ -393,8 +474,10 @@ def longbench_examples(
 
     Raises:
         FileNotFoundError: missing file.
-        ValueError: unknown or unsupported (Chinese) dataset, a malformed JSON line or a line
-            without a required field — with the file and line number.
+        ValueError: unknown or unsupported (Chinese) dataset, a file that is not UTF-8 text or
+            holds no record, a malformed JSON line, a line without a required field or with a
+            field of the wrong type (``answers`` a non-empty list of strings, ``input`` and
+            ``context`` strings, ``length`` an integer, ...) — with the file and line number.
     """
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0, got {limit}")
@@ -406,7 +489,8 @@ def longbench_examples(
     return examples
 
 
-def _check_longbench_dataset(dataset: str, config: LongBenchConfig) -> None:
+def check_longbench_dataset(dataset: str, config: LongBenchConfig) -> None:
+    """Raises ValueError for a dataset without a template or with an unsupported metric."""
     if dataset not in config.prompts or dataset not in config.metric:
         raise ValueError(f"unknown LongBench dataset {dataset!r}; valid: {sorted(config.prompts)}")
     if config.metric[dataset] not in metrics.LONGBENCH_METRICS:
@@ -650,6 +734,80 @@ def split_heldout(text: str, *, fraction: float = HELDOUT_FRACTION) -> tuple[str
     return text[:cut], text[cut:]
 
 
+def read_text_file(path: PathLike) -> str:
+    """The text of an existing UTF-8 text file.
+
+    Raises:
+        FileNotFoundError: missing file (or a folder).
+        ValueError: ``{path} is not UTF-8 text`` (undecodable bytes or NUL characters).
+    """
+    raw = data_lib.require_file(path).read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not UTF-8 text") from None
+    if "\0" in text:
+        raise ValueError(f"{path} is not UTF-8 text (it has NUL bytes)")
+    return text
+
+
+def _heldout_text(path: PathLike, heldout_fraction: float) -> str:
+    text = read_text_file(path)
+    if not text.strip():
+        raise ValueError(f"{path}: the text is empty")
+    _, heldout = split_heldout(text, fraction=heldout_fraction)
+    if not heldout.strip():
+        n_lines = len(text.splitlines())
+        raise ValueError(
+            f"{path}: the held-out part (the last {heldout_fraction:.0%} of the file, from a "
+            f"line start) is empty: the file has {n_lines} line(s); use a longer file or "
+            f"--heldout 1 (the whole file)"
+        )
+    return heldout
+
+
+def _text_path(path: PathLike | None, data_dir: PathLike | None) -> PathLike:
+    if path is None:
+        return data_lib.resolve_data_dir(data_dir) / "tinyshakespeare" / "input.txt"
+    return path
+
+
+def check_text_windows(
+    path: PathLike | None = None,
+    *,
+    window: int,
+    n_windows: int,
+    heldout_fraction: float = HELDOUT_FRACTION,
+    data_dir: PathLike | None = None,
+) -> None:
+    """The checks of ``text_windows`` that need no tokenizer, to run before a model loads.
+
+    A window of ``window`` tokens needs at least ``window`` bytes of text (a token covers at
+    least one byte in byte-level BPE and SentencePiece with byte fallback), so a held-out part
+    with fewer bytes is certainly too short; ``text_windows`` counts the tokens exactly.
+
+    Raises:
+        FileNotFoundError: missing file.
+        ValueError: bad sizes, a file that is not UTF-8 text, an empty text or held-out part, or
+            too few bytes for the windows.
+    """
+    if window <= 0 or n_windows <= 0:
+        raise ValueError(f"need window > 0 and n_windows > 0; got {window}, {n_windows}")
+    path = _text_path(path, data_dir)
+    n_bytes = len(_heldout_text(path, heldout_fraction).encode("utf-8"))
+    if n_bytes < window:
+        raise ValueError(
+            f"{path} has only {n_bytes} bytes, so at most {n_bytes} tokens, in its held-out "
+            f"part (the last {heldout_fraction:.0%}); need at least {window} for one window"
+        )
+    if n_bytes < window * n_windows:
+        raise ValueError(
+            f"{path} has only {n_bytes} bytes, so at most {n_bytes} tokens, in its held-out "
+            f"part (the last {heldout_fraction:.0%}); {n_windows} windows of {window} need "
+            f"{window * n_windows} (lower --limit or --window)"
+        )
+
+
 def text_windows(
     path: PathLike | None = None,
     *,
@@ -679,23 +837,26 @@ def text_windows(
 
     Raises:
         FileNotFoundError: missing file.
-        ValueError: empty text, bad sizes, or too few tokens for the windows asked for.
+        ValueError: a file that is not UTF-8 text, an empty text or held-out part, bad sizes,
+            or too few tokens for the windows asked for.
     """
     if window <= 0 or n_windows <= 0 or offset < 0:
         raise ValueError(
             f"need window > 0, n_windows > 0, offset >= 0; got {window}, {n_windows}, {offset}"
         )
-    if path is None:
-        path = data_lib.resolve_data_dir(data_dir) / "tinyshakespeare" / "input.txt"
-    text = data_lib.read_text(path)
-    if not text.strip():
-        raise ValueError(f"{path}: the text is empty")
-    _, heldout = split_heldout(text, fraction=heldout_fraction)
+    path = _text_path(path, data_dir)
+    heldout = _heldout_text(path, heldout_fraction)
     ids = np.asarray(token_ids(tokenizer, heldout), dtype=np.int64)
+    if ids.size < offset + window:
+        raise ValueError(
+            f"{path} has only {ids.size} tokens in its held-out part (the last "
+            f"{heldout_fraction:.0%}); need at least {offset + window} for one window"
+        )
     need = offset + window * n_windows
     if ids.size < need:
         raise ValueError(
             f"{path}: held-out part ({heldout_fraction:.0%} of the file) has {ids.size} tokens; "
-            f"{n_windows} windows of {window} after offset {offset} need {need}"
+            f"{n_windows} windows of {window} after offset {offset} need {need} "
+            f"(lower --limit or --window)"
         )
     return ids[offset:need].reshape(n_windows, window).astype(np.int32)

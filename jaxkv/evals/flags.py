@@ -1,0 +1,82 @@
+"""Checked flag types of the evaluation command lines (``python -m jaxkv.eval ...``).
+
+Each is an ``argparse`` ``type=``: a bad value ends the command at parse time, before any model,
+policy or data is loaded and before anything is written, with
+``python -m jaxkv.eval <cmd>: error: argument --batch: must be an integer >= 1, got '0'`` and exit
+status 2. Comma lists (``--ratios``, ``--seeds``) are checked by ``parse_seeds`` and
+``jaxkv.evals.runner.parse_ratios`` at the start of every subcommand, also before anything loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+
+SEED_LIMIT = 2**31
+"""Seeds are integers in [0, SEED_LIMIT) (``jax.random.key`` takes them as int32)."""
+
+
+def int_range(lo: int, hi: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer in [lo, hi] (no upper bound when ``hi`` is None)."""
+    want = f"an integer >= {lo}" if hi is None else f"an integer in [{lo}, {hi}]"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {want}, got {text!r}") from None
+        if value < lo or (hi is not None and value > hi):
+            raise argparse.ArgumentTypeError(f"must be {want}, got {text!r}")
+        return value
+
+    parse.__name__ = want  # argparse names the type in some messages
+    return parse
+
+
+def float_range(lo: float, hi: float, *, lo_open: bool, hi_open: bool) -> Callable[[str], float]:
+    """An argparse type: a finite float in the interval from ``lo`` to ``hi``."""
+    want = f"a number in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {want}, got {text!r}") from None
+        ok = math.isfinite(value) and (lo < value if lo_open else lo <= value)
+        ok = ok and (value < hi if hi_open else value <= hi)
+        if not ok:
+            raise argparse.ArgumentTypeError(f"must be {want}, got {text!r}")
+        return value
+
+    parse.__name__ = want
+    return parse
+
+
+positive_int = int_range(1)
+nonnegative_int = int_range(0)
+seed = int_range(0, SEED_LIMIT - 1)
+fraction = float_range(0.0, 1.0, lo_open=True, hi_open=False)
+"""(0, 1]: budget ratios, top-p, the held-out share of a text file."""
+nonnegative_float = float_range(0.0, math.inf, lo_open=False, hi_open=True)
+
+
+def parse_seeds(text: str) -> list[int]:
+    """``--seeds``: distinct integers in [0, 2**31), comma separated.
+
+    Raises:
+        ValueError: an empty list, a non-integer, a value out of range, or a repeated seed.
+    """
+    items = [t.strip() for t in str(text).split(",") if t.strip()]
+    if not items:
+        raise ValueError("--seeds: empty list")
+    try:
+        seeds = [int(t) for t in items]
+    except ValueError:
+        raise ValueError(f"--seeds: cannot parse {text!r} as integers") from None
+    bad = [s for s in seeds if not 0 <= s < SEED_LIMIT]
+    if bad:
+        raise ValueError(f"--seeds must lie in [0, 2**31), got {bad}")
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"--seeds names a seed twice: {seeds}")
+    return seeds
