@@ -25,7 +25,7 @@ import time
 from jaxkv.evals import flags
 from jaxkv.evals.cli import SUBCOMMANDS
 from jaxkv.eviction import Compression
-from jaxkv.policies.base import GRANULARITIES, policy_names
+from jaxkv.policies import GRANULARITIES, policy_names
 
 COMPRESSION_FLAGS = ("ratio", "budget", "min_budget", "granularity", "evict_every")
 DEFAULT_RATIO = 0.25

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from jaxkv import kvcache
 from jaxkv.kvcache import KVCache
-from jaxkv.policies.base import GRANULARITIES, Policy, get_policy
+from jaxkv.policies import GRANULARITIES, Policy, get_policy
 
 
 @dataclasses.dataclass(frozen=True)

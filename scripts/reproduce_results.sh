@@ -13,7 +13,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results}
-POLICIES_EXTRA=${POLICIES_EXTRA-learned:policies/distillcache_smollm2_cpu}
+POLICIES_EXTRA=${POLICIES_EXTRA-learned:distillcache_smollm2_cpu}
 EXTRA=${POLICIES_EXTRA:+,$POLICIES_EXTRA}
 HEUR=random,streaming_llm,h2o,snapkv,tova,keydiff,knorm
 EVAL=(python -m jaxkv.eval)

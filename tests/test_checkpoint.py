@@ -14,8 +14,8 @@ from jaxkv import checkpoint as checkpoint_lib
 from jaxkv.checkpoint import CheckpointError, TrainCheckpoints, restore, save
 from jaxkv.kvlearn.checkpoint import load_prp, save_prp
 from jaxkv.kvlearn.prp import PRPConfig, init_prp
-from jaxkv.policies.base import get_policy
-from jaxkv.policies.learned import init_mlp, load_policy, save_policy
+from jaxkv.policies import get_policy
+from jaxkv.policies.learned import init_mlp, load_policy, save_policy, shipped_checkpoints
 from jaxkv.rl import driver
 from jaxkv.rl.config import TrainConfig
 from jaxkv.rl.driver import run
@@ -225,9 +225,11 @@ def test_load_policy_errors_name_the_path_in_one_line(tmp_path):
 
 
 def test_shipped_policy_restores_bit_identically_to_the_old_loader():
-    params, meta = load_policy(REPO / "policies" / "distillcache_smollm2_cpu")
+    params, meta = load_policy(shipped_checkpoints() / "distillcache_smollm2_cpu")
     assert tree_digest(params) == SHIPPED_POLICY_DIGEST
     assert meta["n_params"] == 17_921 and meta["steps"] == 300
+    # the shipped name resolves from any working directory
+    assert get_policy("learned:distillcache_smollm2_cpu").init() is not None
 
 
 def test_shipped_prp_restores_bit_identically_to_the_old_loader():

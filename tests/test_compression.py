@@ -14,7 +14,7 @@ from jaxkv.eviction import Compression
 from jaxkv.generate import DecodeState, Sampling, decode_loop, generate_tokens, teacher_forced
 from jaxkv.model import decoder
 from jaxkv.model.params import init_params
-from jaxkv.policies.base import Policy, get_policy, policy_names
+from jaxkv.policies import Policy, get_policy, policy_names
 from jaxkv.policies.learned import init_mlp, learned_policy
 
 CFG = ModelConfig.tiny()

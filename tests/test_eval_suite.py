@@ -12,7 +12,7 @@ import pytest
 from jaxkv.evals import cli, fidelity, report, runner
 from jaxkv.eviction import Compression
 from jaxkv.generate import generate_tokens, teacher_forced
-from jaxkv.policies.base import get_policy
+from jaxkv.policies import get_policy
 from jaxkv.policies.learned import init_mlp, learned_policy
 
 HEURISTICS = "random,streaming_llm,h2o,snapkv,tova,keydiff,knorm"

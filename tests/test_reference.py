@@ -15,7 +15,7 @@ from jaxkv.eviction import Compression  # noqa: E402
 from jaxkv.generate import teacher_forced  # noqa: E402
 from jaxkv.model import decoder  # noqa: E402
 from jaxkv.model.loading import embedded_model_path, load_model, load_safetensors  # noqa: E402
-from jaxkv.policies.base import get_policy  # noqa: E402
+from jaxkv.policies import get_policy  # noqa: E402
 
 SHAKESPEARE = data_lib.shipped_data_dir() / "tinyshakespeare"
 

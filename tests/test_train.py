@@ -19,7 +19,7 @@ from jaxkv.config import ModelConfig
 from jaxkv.eviction import Compression
 from jaxkv.generate import generate_tokens
 from jaxkv.model.params import init_params
-from jaxkv.policies.base import get_policy
+from jaxkv.policies import get_policy
 from jaxkv.policies.learned import (
     count,
     init_mlp,

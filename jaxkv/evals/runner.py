@@ -38,7 +38,7 @@ from jaxkv import eviction
 from jaxkv.config import ModelConfig
 from jaxkv.eviction import Compression
 from jaxkv.generate import generate_tokens
-from jaxkv.policies.base import Policy, get_policy, policy_names
+from jaxkv.policies import Policy, get_policy, policy_names
 
 TINY = "tiny"
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""The policy interface: an ``(init, score)`` pair, and the registry of policies by name.
+"""The policy interface: an ``(init, score)`` pair (the registry is ``jaxkv.policies``).
 
 ``score(state, cache, *, budget_B, key)`` returns a keep-score per slot, either
 ``[L, B, K, C]`` (per layer and KV head) or ``[B, C]`` (one per token); higher means keep.
@@ -57,37 +57,3 @@ class Policy:
 
     def __repr__(self):
         return f"Policy({self.name}{dict(self.spec) if self.spec else ''})"
-
-
-_REGISTRY: dict[str, Callable[..., Policy]] = {}
-
-
-def register(name: str):
-    """Decorator adding a policy factory to the registry."""
-
-    def add(factory):
-        _REGISTRY[name] = factory
-        return factory
-
-    return add
-
-
-def policy_names() -> list[str]:
-    return sorted(_REGISTRY) + ["learned:<checkpoint>"]
-
-
-def get_policy(name: str, **settings) -> Policy:
-    """A policy by registry name (``"h2o"``, ``"snapkv"``, ..., ``"learned:<path>"``).
-
-    Raises:
-        ValueError: unknown name, listing the valid ones.
-    """
-    from jaxkv.policies import heuristics  # noqa: F401  (registers the heuristics)
-
-    if name.startswith("learned:"):
-        from jaxkv.policies.learned import load_learned
-
-        return load_learned(name.split(":", 1)[1], **settings)
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown policy {name!r}; choose one of {policy_names()}")
-    return _REGISTRY[name](**settings)

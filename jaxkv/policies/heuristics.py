@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv.kvcache import KVCache
-from jaxkv.policies.base import TIER, Policy, register
+from jaxkv.policies.base import TIER, Policy
 
 
 def _protect_recent(scores_LBKC, cache: KVCache, n_recent_B: jax.Array) -> jax.Array:
@@ -30,13 +30,11 @@ def _unit(x_LBKC: jax.Array, pos_LBKC: jax.Array) -> jax.Array:
     return x_LBKC / (1.0000001 * top + 1e-30)
 
 
-@register("full")
 def full() -> Policy:
     """No eviction: the full cache (the reference every other policy is compared with)."""
     return Policy("full", score=lambda state, cache, **_: jnp.zeros(cache.pos.shape), evicts=False)
 
 
-@register("random")
 def random() -> Policy:
     """Uniformly random token selection (seeded by the engine's per-step key)."""
 
@@ -46,7 +44,6 @@ def random() -> Policy:
     return Policy("random", score=score)
 
 
-@register("streaming_llm")
 def streaming_llm(sinks: int = 4) -> Policy:
     """StreamingLLM (Xiao et al., 2024): the first ``sinks`` tokens (attention sinks) plus
     the most recent tokens; the recent window is whatever budget the sinks leave."""
@@ -58,7 +55,6 @@ def streaming_llm(sinks: int = 4) -> Policy:
     return Policy("streaming_llm", score=score, spec=(("sinks", sinks),))
 
 
-@register("h2o")
 def h2o(recent_fraction: float = 0.5) -> Policy:
     """H2O (Zhang et al., 2023), as in its reference code and KVCache-Factory: the budget
     splits into a recent window (``recent_fraction`` of it) and heavy hitters ranked by
@@ -76,7 +72,6 @@ def h2o(recent_fraction: float = 0.5) -> Policy:
     )
 
 
-@register("snapkv")
 def snapkv(window: int = 64, kernel: int = 5) -> Policy:
     """SnapKV (Li et al., 2024) as in kvpress's SnapKVPress: votes are the attention that an
     observation window of recent queries gives each key (mean over the KV group's query
@@ -117,7 +112,6 @@ def _pool_by_position(x_LBKC, pos_LBKC, kernel: int):
     return jnp.take_along_axis(pooled, inverse, axis=-1)
 
 
-@register("tova")
 def tova() -> Policy:
     """TOVA (Oren et al., 2024): keep the tokens the current (final) query attends to most,
     attention averaged over the query heads (here per KV group; ``granularity="layer"``
@@ -125,7 +119,6 @@ def tova() -> Policy:
     return Policy("tova", score=lambda state, cache, **_: cache.stats["attn"], stats=("attn",))
 
 
-@register("keydiff")
 def keydiff() -> Policy:
     """KeyDiff (Park et al., 2025) as in kvpress's KeyDiffPress: keep keys least similar
     (cosine) to the mean direction of the row's normalized keys."""
@@ -141,7 +134,6 @@ def keydiff() -> Policy:
     return Policy("keydiff", score=score)
 
 
-@register("knorm")
 def knorm() -> Policy:
     """K-norm (Devoto et al., 2024) as in kvpress's KnormPress: keep the keys with the
     smallest L2 norm (low key norm correlates with high attention)."""

@@ -13,6 +13,7 @@ A policy checkpoint is a ``jaxkv.checkpoint`` directory whose meta file is ``pol
 
 from __future__ import annotations
 
+import importlib.resources
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,8 @@ from jaxkv.policies.base import Policy
 
 HIDDEN = 128
 POLICY_META = "policy.json"
+SHIPPED = "jaxkv.checkpoints"
+"""Package holding the policy checkpoints that ship with jaxkv (one folder each)."""
 
 
 class ScoreMLP(nn.Module):
@@ -80,9 +83,37 @@ def learned_policy(params: dict, *, name: str = "learned", spec: tuple = ()) -> 
     )
 
 
+def shipped_checkpoints() -> Path:
+    """The folder of the policy checkpoints shipped inside the package."""
+    return Path(str(importlib.resources.files(SHIPPED)))
+
+
+def checkpoint_path(spec: str | Path) -> Path:
+    """The checkpoint folder ``spec`` names: a path if one exists there, else a shipped name.
+
+    ``"distillcache_smollm2_cpu"`` names the policy shipped in ``jaxkv/checkpoints/``; any
+    existing path (relative to the working directory, or absolute) wins over it.
+
+    Raises:
+        jaxkv.checkpoint.CheckpointError: neither exists (one line naming both places).
+    """
+    path = Path(spec).expanduser()
+    if path.exists() or path.is_absolute():
+        return path
+    shipped = shipped_checkpoints() / path
+    if shipped.exists():
+        return shipped
+    names = sorted(p.name for p in shipped_checkpoints().iterdir() if p.is_dir())
+    raise checkpoint_lib.CheckpointError(
+        path.absolute(), f"no such folder, and no shipped checkpoint of that name ({names})",
+        what="learned policy",
+    )
+
+
 def load_learned(path: str, **_) -> Policy:
-    """The policy saved at ``path`` by ``jaxkv.train distillcache`` (``save_policy``)."""
-    params, _ = load_policy(path)
+    """The policy saved at ``path`` by ``jaxkv.train distillcache`` (``save_policy``), or the
+    shipped checkpoint of that name (``checkpoint_path``)."""
+    params, _ = load_policy(checkpoint_path(path))
     return learned_policy(params, name=f"learned:{path}", spec=(("path", str(path)),))
 
 
