@@ -14,18 +14,13 @@ from jaxkv.config import ModelConfig
 from jaxkv.generate import Sampling, generate, generate_tokens
 from jaxkv.kvcache import KVCache, append, gather, init_cache
 from jaxkv.model.decoder import decode_step, extend, forward, prefill
+from jaxkv.model.loading import LoadedModel
+from jaxkv.model.loading import load_model as load
 from jaxkv.model.params import count_params, init_params
-
-
-def load(name_or_path: str, *, dtype: str = "float32"):
-    """Loads a model: ``"smollm2-135m"`` (embedded GGUF), a ``.gguf`` file or a HF directory."""
-    from jaxkv.model.loading import load_model
-
-    return load_model(name_or_path, dtype=dtype)
-
 
 __all__ = [
     "KVCache",
+    "LoadedModel",
     "ModelConfig",
     "Sampling",
     "append",

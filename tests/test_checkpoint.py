@@ -12,13 +12,14 @@ import yaml
 
 from jaxkv import checkpoint as checkpoint_lib
 from jaxkv.checkpoint import CheckpointError, TrainCheckpoints, restore, save
+from jaxkv.cli import train as train_cli
 from jaxkv.kvlearn.checkpoint import load_prp, save_prp
 from jaxkv.kvlearn.prp import PRPConfig, init_prp
 from jaxkv.policies import get_policy
 from jaxkv.policies.learned import init_mlp, load_policy, save_policy, shipped_checkpoints
-from jaxkv.rl import driver
+from jaxkv.rl import loop
 from jaxkv.rl.config import TrainConfig
-from jaxkv.rl.driver import run
+from jaxkv.rl.loop import run
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = dict(
@@ -270,7 +271,7 @@ def test_resume_skips_a_damaged_newest_checkpoint(tmp_path, capsys):
 
 
 def test_a_non_finite_loss_stops_the_run_without_saving(tmp_path, monkeypatch, capsys):
-    real = driver.train_step
+    real = loop.train_step
 
     def nan_at_step_2(lm, state, *args, **kwargs):
         step = int(state.step)
@@ -280,11 +281,11 @@ def test_a_non_finite_loss_stops_the_run_without_saving(tmp_path, monkeypatch, c
             state = state.replace(params=jax.tree.map(lambda x: x * jnp.nan, state.params))
         return state, metrics
 
-    monkeypatch.setattr(driver, "train_step", nan_at_step_2)
+    monkeypatch.setattr(loop, "train_step", nan_at_step_2)
     config = tmp_path / "tiny.yaml"
     config.write_text(yaml.safe_dump(TINY))
     workdir = tmp_path / "run"
-    assert driver.main(["--config", str(config), "--workdir", str(workdir)]) == 2
+    assert train_cli.distillcache_main(["--config", str(config), "--workdir", str(workdir)]) == 2
     err = capsys.readouterr().err
     assert "step 2: non-finite loss=nan" in err and "stopped without saving" in err
     assert TrainCheckpoints(workdir).steps() == [2]

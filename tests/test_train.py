@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from jaxkv.checkpoint import CheckpointError
+from jaxkv.cli import train as train_cli
 from jaxkv.config import ModelConfig
 from jaxkv.eviction import Compression
 from jaxkv.generate import generate_tokens
@@ -28,9 +29,9 @@ from jaxkv.policies.learned import (
     save_policy,
     scores_from_features,
 )
-from jaxkv.rl import driver
+from jaxkv.rl import loop
 from jaxkv.rl.config import TrainConfig
-from jaxkv.rl.driver import run
+from jaxkv.rl.loop import run
 from jaxkv.rl.objectives import (
     Decisions,
     decide,
@@ -231,7 +232,9 @@ def test_settings_are_checked_against_their_types(tmp_path):
 def _cli(tmp_path, *args: str) -> int:
     config = tmp_path / "tiny.yaml"
     config.write_text(yaml.safe_dump(TINY))
-    return driver.main(["--config", str(config), "--workdir", str(tmp_path / "run"), *args])
+    return train_cli.distillcache_main(
+        ["--config", str(config), "--workdir", str(tmp_path / "run"), *args]
+    )
 
 
 def test_bad_arguments_fail_before_anything_is_written(tmp_path, capsys):
@@ -247,7 +250,7 @@ def test_a_crashed_first_run_does_not_block_the_corrected_command(tmp_path, monk
     def crash(*args, **kwargs):
         raise RuntimeError("out of memory")
 
-    monkeypatch.setattr(driver, "train_step", crash)
+    monkeypatch.setattr(loop, "train_step", crash)
     with pytest.raises(RuntimeError):
         run(TrainConfig(**{**TINY, "seed": 7}), tmp_path)
     monkeypatch.undo()

@@ -1,4 +1,4 @@
-"""``python -m jaxkv.train distillcache``: the training loop around ``train_step``.
+"""The DistillCache training loop around ``train_step`` (``python -m jaxkv.train distillcache``).
 
 Resumable: the state is checkpointed every ``checkpoint_every`` steps and on Ctrl-C; running
 the same command again restores the newest intact checkpoint (a damaged newer one is reported
@@ -9,7 +9,6 @@ gradient stops the run; that state is never saved.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -25,6 +24,8 @@ from tqdm import tqdm
 from jaxkv import sharding
 from jaxkv.checkpoint import TrainCheckpoints
 from jaxkv.config import ModelConfig
+from jaxkv.generate import generate_tokens
+from jaxkv.model.loading import load_model
 from jaxkv.model.params import init_params
 from jaxkv.policies.learned import count, init_mlp, save_policy
 from jaxkv.rl.config import TrainConfig
@@ -44,8 +45,6 @@ def load_lm(name: str):
     if name == "tiny":
         cfg = ModelConfig.tiny()
         return cfg, init_params(cfg, key=jax.random.key(0), scale=0.2), None
-    from jaxkv.model.loading import load_model
-
     m = load_model(name)
     return m.config, m.params, m.tokenizer
 
@@ -59,8 +58,6 @@ def _keys(cfg: TrainConfig, step: int, mesh):
 
 def _teacher_stream(params, window, cfg: TrainConfig, config):
     """Prompt from the data, continuation from the full-cache model's greedy decoding."""
-    from jaxkv.generate import generate_tokens
-
     prompt = window[: cfg.prompt_len].tolist()
     (cont,) = generate_tokens(params, [prompt], config=config, max_new_tokens=cfg.decode_steps)
     cont = (cont + [0] * cfg.decode_steps)[: cfg.decode_steps]
@@ -214,29 +211,3 @@ def plot_metrics(metrics_path: Path, out: Path) -> None:
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     plt.close(fig)
-
-
-def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m jaxkv.train distillcache",
-        description="Train the DistillCache eviction policy.",
-    )
-    ap.add_argument("--config", required=True, help="YAML file (configs/distillcache_*.yaml)")
-    ap.add_argument("--workdir", required=True, help="checkpoints, metrics and the policy")
-    ap.add_argument(
-        "--stop-after",
-        type=int,
-        default=None,
-        help="stop after this many total steps (resume later with the same command)",
-    )
-    ap.add_argument("overrides", nargs="*", help="key=value settings overriding the config")
-    args = ap.parse_args(argv)
-    try:
-        cfg = TrainConfig.from_yaml(args.config, args.overrides)
-        run(cfg, Path(args.workdir), stop_after=args.stop_after)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-    return 0
