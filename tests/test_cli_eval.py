@@ -13,12 +13,14 @@ from pathlib import Path
 import pytest
 
 import jaxkv
-from jaxkv import eval as eval_cli
-from jaxkv.evals import cli, report, runner
+from jaxkv.cli import eval as eval_lib
+from jaxkv.cli import suite
+from jaxkv.evals import report, runner
+from jaxkv.policies import learned as learned_lib
 
 TINY = ["--model", "tiny", "--min-budget", "8", "--batch", "2"]
 WINDOWS = ["--window", "96", "--prompt-len", "64"]
-SHIPPED = Path(jaxkv.__file__).resolve().parents[1] / "policies" / "distillcache_smollm2_cpu"
+SHIPPED = learned_lib.shipped_checkpoints() / "distillcache_smollm2_cpu"
 
 
 @pytest.fixture
@@ -35,7 +37,7 @@ def no_model(monkeypatch):
 def _suite(args, capsys):
     """(exit status, stderr) of a suite command; argparse's exits count as statuses."""
     try:
-        status = cli.main(args)
+        status = eval_lib.main(args)
     except SystemExit as e:
         status = e.code
     return status, capsys.readouterr().err
@@ -43,7 +45,7 @@ def _suite(args, capsys):
 
 def _generate(args, capsys):
     try:
-        status = eval_cli.main(["generate", "--prompt", "hi", *args])
+        status = eval_lib.main(["generate", "--prompt", "hi", *args])
     except SystemExit as e:
         status = e.code
     return status, capsys.readouterr().err
@@ -61,33 +63,45 @@ def _old_results(out: Path) -> str:
 
 
 def test_main_job_default_includes_the_shipped_learned_policy_and_no_out():
-    args = cli.build_parser().parse_args(cli.DEFAULT_JOB)
+    args = eval_lib.build_parser().parse_args(suite.DEFAULT_JOB)
     assert args.command == "fidelity" and args.model == "smollm2-135m"
     policies = args.policies.split(",")
-    assert "learned:policies/distillcache_smollm2_cpu" in policies
+    assert "learned:distillcache_smollm2_cpu" in policies
     assert {"full", "streaming_llm", "h2o", "snapkv", "tova"} <= set(policies)
     assert args.ratios == "0.25,0.125" and args.out is None
 
 
 def test_learned_names_resolve_from_any_working_directory(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    for spec in ("policies/distillcache_smollm2_cpu", "distillcache_smollm2_cpu", str(SHIPPED)):
-        assert runner.learned_path(spec) == SHIPPED
-    (group,) = runner.parse_policies("learned:policies/distillcache_smollm2_cpu")
-    assert group.label == "learned:distillcache_smollm2_cpu" and len(group.members) == 1
+    for spec in ("distillcache_smollm2_cpu", str(SHIPPED)):
+        (group,) = runner.parse_policies(f"learned:{spec}")
+        assert group.label == "learned:distillcache_smollm2_cpu" and len(group.members) == 1
+        assert group.members[0].name == f"learned:{SHIPPED}"
+
+
+def test_learned_globs_and_seed_lists_are_relative_to_the_working_directory(tmp_path, monkeypatch):
+    (tmp_path / "runs").mkdir()
+    for name in ("seed0", "seed1"):
+        (tmp_path / "runs" / name).symlink_to(SHIPPED, target_is_directory=True)
+    monkeypatch.chdir(tmp_path)
+    for spec in ("runs/seed*", "runs/seed0+runs/seed1"):
+        (group,) = runner.parse_policies(f"learned:{spec}")
+        assert group.label == "learned" and len(group.members) == 2
+    with pytest.raises(ValueError, match="'nothing/seed\\*' matches no checkpoint"):
+        runner.parse_policies("learned:nothing/seed*")
 
 
 def test_runs_without_out_go_to_a_fresh_run_folder(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     args = ["fidelity", *TINY, *WINDOWS, "--limit", "2", "--ratios", "0.5"]
     args += ["--policies", "full,h2o", "--seeds", "0"]
-    assert cli.main(args) == 0
+    assert eval_lib.main(args) == 0
     (run,) = (tmp_path / "runs").iterdir()
     assert run.name.startswith("fidelity-") and len(run.name) == len("fidelity-20250101-120000")
     assert json.loads((run / "fidelity.json").read_text())["complete"] is True
     assert f"runs/{run.name}/" in capsys.readouterr().err
     assert not (tmp_path / "results").exists()
-    assert cli.new_run_dir("fidelity") != run  # a second run of the same second gets another
+    assert suite.new_run_dir("fidelity") != run  # a second run of the same second gets another
 
 
 # ----------------------------------------------------------------------------------------------
@@ -240,12 +254,12 @@ def test_generate_checks_its_flags_before_the_model_loads(args, message, capsys,
 
 
 def test_generate_compression_defaults():
-    parse = lambda *a: eval_cli.build_parser().parse_args(["generate", "--prompt", "hi", *a])
-    assert eval_cli.generate_compression(parse()) == {}
-    assert eval_cli.generate_compression(parse("--policy", "full")) == {}
-    comp = eval_cli.generate_compression(parse("--policy", "snapkv"))
+    parse = lambda *a: eval_lib.build_parser().parse_args(["generate", "--prompt", "hi", *a])
+    assert eval_lib.generate_compression(parse()) == {}
+    assert eval_lib.generate_compression(parse("--policy", "full")) == {}
+    comp = eval_lib.generate_compression(parse("--policy", "snapkv"))
     assert comp == {"policy": "snapkv", "ratio": 0.25, "budget": None}
-    comp = eval_cli.generate_compression(parse("--policy", "h2o", "--budget", "64"))
+    comp = eval_lib.generate_compression(parse("--policy", "h2o", "--budget", "64"))
     assert comp["ratio"] is None and comp["budget"] == 64
 
 
@@ -305,6 +319,11 @@ def test_fidelity_text_that_is_binary_or_too_short_fails_before_the_model(
         (["agreement", "--data", "x.jsonl"], "--data is only read with --task longbench"),
         (["latency", "--context", "0"], "argument --context: must be an integer >= 1"),
         (["latency", "--repeats", "0"], "argument --repeats: must be an integer >= 1"),
+        (["longbench"], "one of the arguments --data --hub is required"),
+        (["longbench", "--hub", "x"], "--hub needs --dataset NAME"),
+        (["longbench", "--data", "x", "--hub", "y"], "argument --hub: not allowed with"),
+        (["fidelity", "--wikitext-split", "test"], "--wikitext-split needs --wikitext"),
+        (["fidelity", "--text", "a", "--wikitext", "b"], "argument --wikitext: not allowed with"),
     ],
 )
 def test_numeric_flags_are_checked(args, message, tmp_path, capsys, no_model):
@@ -331,11 +350,12 @@ def _bad_policy_dirs(tmp_path: Path) -> dict[str, tuple[Path, str]]:
     (junk / "policy.json").write_text((SHIPPED / "policy.json").read_text())
     (junk / "params" / "manifest.ocdbt").write_bytes(b"\x00garbage")
     return {
-        "missing": (tmp_path / "nope", "no such folder"),
-        "not a policy": (empty, "is not a policy checkpoint folder (no policy.json"),
-        "a file": (afile, "is a file, not a policy checkpoint folder"),
-        "no params": (half, "cannot load learned policy"),
-        "junk params": (junk, "cannot load learned policy"),
+        "missing": (tmp_path / "nope", "nope: no such directory"),
+        "missing name": (Path("no_such_policy"), "no such folder, and no shipped checkpoint"),
+        "not a policy": (empty, "empty_dir: missing policy.json"),
+        "a file": (afile, "policy.txt: not a directory"),
+        "no params": (half, "half: policy.json records no checksum"),
+        "junk params": (junk, "junk: missing file params/"),
     }
 
 

@@ -9,7 +9,9 @@ import jax
 import numpy as np
 import pytest
 
-from jaxkv.evals import cli, fidelity, report, runner
+from jaxkv.cli import eval as eval_lib
+from jaxkv.cli import suite
+from jaxkv.evals import fidelity, report, runner
 from jaxkv.eviction import Compression
 from jaxkv.generate import generate_tokens, teacher_forced
 from jaxkv.policies import get_policy
@@ -27,7 +29,7 @@ def model():
 
 
 def _run(args, tmp_path, capsys=None):
-    status = cli.main([*args, "--out", str(tmp_path)])
+    status = eval_lib.main([*args, "--out", str(tmp_path)])
     return status
 
 
@@ -302,7 +304,7 @@ def test_empty_text_is_a_clear_error(tmp_path, capsys):
 
 
 def test_default_job_and_subcommands():
-    assert set(cli.SUBCOMMANDS) == {
+    assert set(suite.SUBCOMMANDS) == {
         "fidelity",
         "retrieval",
         "gsm8k",
@@ -312,7 +314,7 @@ def test_default_job_and_subcommands():
         "positions",
         "latency",
     }
-    args = cli.build_parser().parse_args(cli.DEFAULT_JOB)
+    args = eval_lib.build_parser().parse_args(suite.DEFAULT_JOB)
     assert args.command == "fidelity" and args.ratios == "0.25,0.125"
     assert args.model == "smollm2-135m" and args.out is None  # a new runs/fidelity-<time>/
     assert set(args.policies.split(",")) == {
@@ -321,5 +323,5 @@ def test_default_job_and_subcommands():
         "h2o",
         "snapkv",
         "tova",
-        "learned:policies/distillcache_smollm2_cpu",
+        "learned:distillcache_smollm2_cpu",
     }

@@ -2,7 +2,9 @@
 
 Each test writes the same rows twice, in the hub's layout and in the shipped one, and checks
 that ``hub`` builds exactly the Examples that ``tasks`` builds. Tests that need ``datasets``
-take the ``hf`` fixture and are skipped without it; the missing-extra test always runs.
+take the ``hf`` fixture and are skipped without it; the missing-extra tests always run. The
+last section runs ``python -m jaxkv.eval`` with ``--hub`` / ``--wikitext`` end to end on the
+tiny model.
 """
 
 import json
@@ -12,15 +14,17 @@ import sys
 
 import pytest
 
-from jaxkv import data as D
-from jaxkv.evals import hub as H
-from jaxkv.evals import tasks as T
+from jaxkv import data as data_lib
+from jaxkv.cli import eval as eval_lib
+from jaxkv.evals import hub as hub_lib
+from jaxkv.evals import runner
+from jaxkv.evals import tasks as tasks_lib
 
 # Before ``datasets`` is imported: it reads these once. The tests never reach the hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-SHIPPED = D.shipped_data_dir()
+SHIPPED = data_lib.shipped_data_dir()
 GSM8K_EXEMPLARS = "gsm8k/lm_eval_harness/gsm8k_cot_8shot_exemplars.json"
 BBH_TASKS = ("date_understanding", "boolean_expressions")
 
@@ -86,8 +90,8 @@ def gsm8k_dirs(hf, tmp_path, gsm8k_rows):
 @pytest.mark.parametrize("split", ["test", "train"])
 def test_gsm8k_from_hub_layout_equals_shipped_loader(gsm8k_dirs, gsm8k_rows, split):
     hub_dir, data_dir = gsm8k_dirs
-    got = H.gsm8k_examples(hub_dir, split, data_dir=data_dir)
-    assert got == T.gsm8k_examples(split, data_dir=data_dir)
+    got = hub_lib.gsm8k_examples(hub_dir, split, data_dir=data_dir)
+    assert got == tasks_lib.gsm8k_examples(split, data_dir=data_dir)
     assert len(got) == len(gsm8k_rows[split])
     assert got[0].id == f"gsm8k-{split}-0"
     assert got[0].prompt.endswith(f"Q: {gsm8k_rows[split][0]['question']}\nA:")
@@ -95,15 +99,15 @@ def test_gsm8k_from_hub_layout_equals_shipped_loader(gsm8k_dirs, gsm8k_rows, spl
 
 def test_gsm8k_limit_shots_and_single_file(gsm8k_dirs):
     hub_dir, data_dir = gsm8k_dirs
-    want = T.gsm8k_examples("test", n_shot=3, limit=2, data_dir=data_dir)
-    assert H.gsm8k_examples(hub_dir, n_shot=3, limit=2, data_dir=data_dir) == want
+    want = tasks_lib.gsm8k_examples("test", n_shot=3, limit=2, data_dir=data_dir)
+    assert hub_lib.gsm8k_examples(hub_dir, n_shot=3, limit=2, data_dir=data_dir) == want
     one_file = hub_dir / "main" / "test-00000-of-00001.parquet"
-    assert H.gsm8k_examples(one_file, n_shot=3, limit=2, data_dir=data_dir) == want
-    assert H.gsm8k_examples(hub_dir, limit=0, data_dir=data_dir) == []
+    assert hub_lib.gsm8k_examples(one_file, n_shot=3, limit=2, data_dir=data_dir) == want
+    assert hub_lib.gsm8k_examples(hub_dir, limit=0, data_dir=data_dir) == []
     with pytest.raises(ValueError, match="limit must be >= 0"):
-        H.gsm8k_examples(hub_dir, limit=-1, data_dir=data_dir)
+        hub_lib.gsm8k_examples(hub_dir, limit=-1, data_dir=data_dir)
     with pytest.raises(ValueError, match="unknown GSM8K split 'validation'"):
-        H.gsm8k_examples(hub_dir, "validation", data_dir=data_dir)
+        hub_lib.gsm8k_examples(hub_dir, "validation", data_dir=data_dir)
 
 
 def test_hub_name_goes_through_load_dataset(hf, gsm8k_rows, monkeypatch):
@@ -115,16 +119,16 @@ def test_hub_name_goes_through_load_dataset(hf, gsm8k_rows, monkeypatch):
         return hf.Dataset.from_dict({k: [r[k] for r in rows] for k in ("question", "answer")})
 
     monkeypatch.setattr(hf, "load_dataset", fake_load_dataset)
-    got = H.gsm8k_examples(limit=2, data_dir=SHIPPED)
+    got = hub_lib.gsm8k_examples(limit=2, data_dir=SHIPPED)
     assert calls == [("openai/gsm8k", "main", {"split": "test"})]
-    assert got == T.gsm8k_examples(limit=2, data_dir=SHIPPED)  # same first rows
+    assert got == tasks_lib.gsm8k_examples(limit=2, data_dir=SHIPPED)  # same first rows
 
 
 def test_uncached_hub_name_is_a_clear_error_offline(hf):
     if not hf.config.HF_HUB_OFFLINE:
         pytest.skip("needs HF_HUB_OFFLINE=1 (the test must not reach the hub)")
     with pytest.raises(FileNotFoundError, match="'jaxkv-tests/no-such-set' is not a local path"):
-        H.gsm8k_examples("jaxkv-tests/no-such-set")
+        hub_lib.gsm8k_examples("jaxkv-tests/no-such-set")
 
 
 def test_missing_split_lists_the_layouts_tried(hf, tmp_path):
@@ -132,16 +136,16 @@ def test_missing_split_lists_the_layouts_tried(hf, tmp_path):
     with pytest.raises(
         FileNotFoundError, match=r"no 'main' 'test' files in .*main/test-\*\.parquet"
     ):
-        H.gsm8k_examples(tmp_path)
+        hub_lib.gsm8k_examples(tmp_path)
 
 
 def test_missing_column_and_unknown_file_type(hf, tmp_path):
     _parquet(tmp_path / "main" / "test-00000-of-00001.parquet", [{"question": "q"}])
     with pytest.raises(ValueError, match=r"main/test\]: missing column\(s\) \['answer'\]"):
-        H.gsm8k_examples(tmp_path)
+        hub_lib.gsm8k_examples(tmp_path)
     (tmp_path / "rows.csv").write_text("question,answer\nq,#### 1\n")
     with pytest.raises(ValueError, match="rows.csv: unknown file type"):
-        H.gsm8k_examples(tmp_path / "rows.csv")
+        hub_lib.gsm8k_examples(tmp_path / "rows.csv")
 
 
 # ---- BBH -----------------------------------------------------------------------------------------
@@ -156,12 +160,12 @@ def test_bbh_from_hub_layout_equals_shipped_loader(hf, tmp_path):
         (data_dir / "bbh" / "bbh" / f"{task}.json").write_text(json.dumps({"examples": rows}))
         _copy_shipped(data_dir, f"bbh/cot-prompts/{task}.txt")
     for task in BBH_TASKS:
-        got = H.bbh_examples(task, hub_dir, data_dir=data_dir)
-        assert got == T.bbh_examples(task, data_dir=data_dir)
+        got = hub_lib.bbh_examples(task, hub_dir, data_dir=data_dir)
+        assert got == tasks_lib.bbh_examples(task, data_dir=data_dir)
         assert [e.id for e in got] == [f"bbh/{task}-{i}" for i in range(4)]
-        assert H.bbh_examples(task, hub_dir, limit=1, data_dir=data_dir) == got[:1]
+        assert hub_lib.bbh_examples(task, hub_dir, limit=1, data_dir=data_dir) == got[:1]
     with pytest.raises(ValueError, match="unknown BBH task 'nosuch'; valid tasks: boolean_expr"):
-        H.bbh_examples("nosuch", hub_dir, data_dir=data_dir)
+        hub_lib.bbh_examples("nosuch", hub_dir, data_dir=data_dir)
 
 
 # ---- LongBench -----------------------------------------------------------------------------------
@@ -209,10 +213,10 @@ def test_longbench_from_hub_layout_equals_shipped_loader(hf, tmp_path, layout, d
         _parquet(hub_file, rows)
     jsonl = tmp_path / f"{dataset}.jsonl"
     _jsonl(jsonl, rows)
-    got = H.longbench_examples(dataset, tmp_path / "hub")
-    assert got == T.longbench_examples(jsonl)
+    got = hub_lib.longbench_examples(dataset, tmp_path / "hub")
+    assert got == tasks_lib.longbench_examples(jsonl)
     assert got[0].meta["dataset"] == dataset.removesuffix("_e")
-    assert H.longbench_examples(dataset, tmp_path / "hub", limit=2) == got[:2]
+    assert hub_lib.longbench_examples(dataset, tmp_path / "hub", limit=2) == got[:2]
 
 
 def test_longbench_bad_row_and_unsupported_dataset(hf, tmp_path):
@@ -222,11 +226,11 @@ def test_longbench_bad_row_and_unsupported_dataset(hf, tmp_path):
     with pytest.raises(
         ValueError, match=r"\[hotpotqa/test\]:2: field 'answers' must be a non-empty"
     ):
-        H.longbench_examples("hotpotqa", tmp_path)
+        hub_lib.longbench_examples("hotpotqa", tmp_path)
     with pytest.raises(ValueError, match="'dureader' uses 'rouge_zh_score'"):
-        H.longbench_examples("dureader", tmp_path)
+        hub_lib.longbench_examples("dureader", tmp_path)
     with pytest.raises(ValueError, match="unknown LongBench dataset 'nosuch'"):
-        H.longbench_examples("nosuch", tmp_path)
+        hub_lib.longbench_examples("nosuch", tmp_path)
 
 
 # ---- WikiText ------------------------------------------------------------------------------------
@@ -243,20 +247,20 @@ def test_wikitext_text_gives_the_raw_files_windows(hf, tmp_path, config):
     lines = WIKI_RAW.splitlines(keepends=True)
     rows = [{"text": line if line.strip() else ""} for line in lines]  # the hub's rows
     _parquet(tmp_path / "wikitext" / config / "test-00000-of-00001.parquet", rows)
-    text = H.wikitext_text(tmp_path / "wikitext", config=config)
+    text = hub_lib.wikitext_text(tmp_path / "wikitext", config=config)
     assert text == "".join(line if line.strip() else "\n" for line in lines)
     raw_file, text_file = tmp_path / "wiki.test.raw", tmp_path / "wiki.test.txt"
     raw_file.write_text(WIKI_RAW, encoding="utf-8")
     text_file.write_text(text, encoding="utf-8")
     kwargs = dict(window=5, n_windows=6, heldout_fraction=1.0)
-    want = T.text_windows(raw_file, tokenizer=_word_ids(), **kwargs)
-    assert (T.text_windows(text_file, tokenizer=_word_ids(), **kwargs) == want).all()
+    want = tasks_lib.text_windows(raw_file, tokenizer=_word_ids(), **kwargs)
+    assert (tasks_lib.text_windows(text_file, tokenizer=_word_ids(), **kwargs) == want).all()
 
 
 def test_wikitext_blank_text_is_an_error(hf, tmp_path):
     _parquet(tmp_path / "wikitext-103-raw-v1" / "test-00000-of-00001.parquet", [{"text": ""}] * 3)
     with pytest.raises(ValueError, match=r"wikitext-103-raw-v1/test\]: the text is empty"):
-        H.wikitext_text(tmp_path)
+        hub_lib.wikitext_text(tmp_path)
 
 
 # ---- without the extra ---------------------------------------------------------------------------
@@ -266,12 +270,87 @@ def test_missing_extra_says_how_to_install_it(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)
     message = "the hub loaders need the optional extra: pip install 'jaxkv[hf]'"
     calls = [
-        lambda: H.gsm8k_examples(tmp_path),
-        lambda: H.bbh_examples("date_understanding", tmp_path),
-        lambda: H.longbench_examples("hotpotqa", tmp_path),
-        lambda: H.wikitext_text(tmp_path),
+        lambda: hub_lib.gsm8k_examples(tmp_path),
+        lambda: hub_lib.bbh_examples("date_understanding", tmp_path),
+        lambda: hub_lib.longbench_examples("hotpotqa", tmp_path),
+        lambda: hub_lib.wikitext_text(tmp_path),
     ]
     for call in calls:
         with pytest.raises(ImportError) as info:
             call()
         assert str(info.value) == message
+
+
+# ---- the command line ----------------------------------------------------------------------------
+
+TINY = ["--model", "tiny", "--min-budget", "8", "--batch", "2", "--seeds", "0"]
+GEN = [*TINY, "--policies", "full,h2o", "--ratios", "0.5", "--limit", "2", "--max-new-tokens", "8"]
+
+
+def _cli(args, out):
+    """(exit status, the result file) of ``python -m jaxkv.eval ARGS --out OUT``."""
+    status = eval_lib.main([*args, "--out", str(out)])
+    name = args[0]
+    path = out / f"{name}.json"
+    return status, json.loads(path.read_text()) if path.exists() else None
+
+
+def test_cli_gsm8k_from_the_hub_layout(gsm8k_dirs, gsm8k_rows, tmp_path):
+    hub_dir, _ = gsm8k_dirs
+    status, doc = _cli(["gsm8k", *GEN, "--shots", "1", "--hub", str(hub_dir)], tmp_path / "out")
+    assert status == 0 and doc["complete"] is True
+    assert doc["config"]["hub"] == str(hub_dir) and doc["config"]["shots"] == 1
+    full = [r for r in doc["records"] if r["policy"] == "full"]
+    want = tasks_lib.gsm8k_examples(n_shot=1, limit=2, data_dir=SHIPPED)
+    assert [(r["id"], r["target"]) for r in full] == [(e.id, e.target) for e in want]
+
+
+def test_cli_bbh_from_the_hub_layout(hf, tmp_path):
+    task = "date_understanding"
+    rows = json.loads((SHIPPED / "bbh" / "bbh" / f"{task}.json").read_text())["examples"][:3]
+    _parquet(tmp_path / "bbh" / task / "test-00000-of-00001.parquet", rows)
+    status, doc = _cli(["bbh", *GEN, "--tasks", task, "--hub", str(tmp_path / "bbh")], tmp_path)
+    assert status == 0 and doc["config"]["hub"] == str(tmp_path / "bbh")
+    assert {r["id"] for r in doc["records"]} == {f"bbh/{task}-0", f"bbh/{task}-1"}
+
+
+def test_cli_longbench_from_the_hub_layout(hf, tmp_path):
+    _parquet(tmp_path / "hub" / "hotpotqa" / "test" / "0000.parquet", _longbench_rows("hotpotqa"))
+    args = ["longbench", *GEN, "--hub", str(tmp_path / "hub"), "--dataset", "hotpotqa"]
+    status, doc = _cli(args, tmp_path / "out")
+    assert status == 0
+    assert doc["config"]["hub"] == str(tmp_path / "hub")
+    assert doc["config"]["dataset"] == "hotpotqa" and "data" not in doc["config"]
+    assert {r["id"] for r in doc["records"]} == {"hotpotqa-id-0", "hotpotqa-id-1"}
+
+
+def test_cli_fidelity_on_wikitext(hf, tmp_path):
+    rows = [{"text": f" = Section {i} = \n"} for i in range(4)]
+    rows += [{"text": f" Line {i} of the article , about {i} things . \n"} for i in range(20)]
+    _parquet(tmp_path / "wiki" / "wikitext-2-raw-v1" / "test-00000-of-00001.parquet", rows)
+    args = ["fidelity", *TINY, "--window", "96", "--prompt-len", "64", "--limit", "2"]
+    args += ["--policies", "full,h2o", "--ratios", "0.5"]
+    args += ["--wikitext", str(tmp_path / "wiki"), "--wikitext-config", "wikitext-2-raw-v1"]
+    status, doc = _cli(args, tmp_path / "out")
+    assert status == 0
+    config = doc["config"]
+    assert config["text"] == f"{tmp_path / 'wiki'} [wikitext-2-raw-v1/test]"
+    assert config["heldout"] == 1.0 and config["windows"] == 2
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["gsm8k", "--hub", "openai/gsm8k"],
+        ["bbh", "--hub", "lukaemon/bbh"],
+        ["longbench", "--hub", "THUDM/LongBench", "--dataset", "hotpotqa"],
+        ["fidelity", "--wikitext", "Salesforce/wikitext"],
+    ],
+)
+def test_cli_without_the_extra_is_a_one_line_error(args, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    monkeypatch.setattr(runner, "load_eval_model", lambda *a, **k: pytest.fail("model loaded"))
+    status, doc = _cli([*args, "--model", "tiny"], tmp_path / "out")
+    err = capsys.readouterr().err
+    assert status == 2 and doc is None
+    assert err == "error: the hub loaders need the optional extra: pip install 'jaxkv[hf]'\n"

@@ -11,16 +11,18 @@ same prompt. Per policy × ratio (mean ± std over seeds where they apply):
 * error modes on the instances the full cache solves (task score >= ``SOLVED``), as % of them:
   ``repetitive`` (a token loop), ``incorrect`` (wrong answer of normal length) and
   ``overlength`` (hit the token limit where the full cache stopped) — ``metrics.error_mode``.
+
+``evaluate`` is the whole job (``python -m jaxkv.eval agreement``).
 """
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import numpy as np
 
-from jaxkv.evals import benchmarks, flags, metrics, report, tasks
+from jaxkv.evals import benchmarks, metrics, report, runner, tasks
+from jaxkv.evals.runner import Job
 
 NAME = "agreement"
 SOLVED = 0.5  # an example counts as solved when its task score reaches this
@@ -131,49 +133,58 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
     return paths
 
 
-def add_parsers(sub, *, common) -> None:
-    """Adds ``agreement`` to the suite's subparsers."""
-    p = sub.add_parser(NAME, help="agreement with full-cache generations, error modes (Tab. 8)")
-    common(p, ratios="0.25", policies="streaming_llm,h2o,snapkv,tova", limit=8)
-    p.add_argument("--task", default="gsm8k", help="gsm8k, bbh/<task>, or longbench (--data)")
-    p.add_argument("--data", default=None, help="LongBench JSONL file (with --task longbench)")
-    p.add_argument(
-        "--max-new-tokens", type=flags.positive_int, default=None, help="default: the task's"
-    )
-    p.add_argument(
-        "--max-length", type=flags.positive_int, default=3500, help="LongBench prompt tokens"
-    )
-    p.set_defaults(func=_agreement_cmd)
+def examples(task: str, *, data: str | None = None, limit: int | None = None) -> list:
+    """The prompts of ``task``: ``gsm8k`` (test split), ``bbh/<task>``, or ``longbench`` (the
+    LongBench-format JSONL file ``data``).
 
-
-def _examples(args: argparse.Namespace):
-    if args.data is not None and args.task != "longbench":
-        raise ValueError(f"--data is only read with --task longbench (got --task {args.task})")
-    if args.task == "gsm8k":
-        return tasks.gsm8k_examples("test", limit=args.limit)
-    if args.task.startswith("bbh/"):
-        return tasks.bbh_examples(args.task.split("/", 1)[1], limit=args.limit)
-    if args.task == "longbench":
-        if args.data is None:
+    Raises:
+        ValueError, FileNotFoundError: an unknown task, ``data`` without ``longbench`` or
+            ``longbench`` without it, or bad data.
+    """
+    if data is not None and task != "longbench":
+        raise ValueError(f"--data is only read with --task longbench (got --task {task})")
+    if task == "gsm8k":
+        return tasks.gsm8k_examples("test", limit=limit)
+    if task.startswith("bbh/"):
+        return tasks.bbh_examples(task.split("/", 1)[1], limit=limit)
+    if task == "longbench":
+        if data is None:
             raise ValueError("--task longbench needs --data PATH")
-        return tasks.longbench_examples(args.data, limit=args.limit)
-    raise ValueError(f"unknown agreement task {args.task!r}; valid: gsm8k, bbh/<task>, longbench")
+        return tasks.longbench_examples(data, limit=limit)
+    raise ValueError(f"unknown agreement task {task!r}; valid: gsm8k, bbh/<task>, longbench")
 
 
-def _agreement_cmd(args: argparse.Namespace) -> int:
-    from jaxkv.evals import runner
-    from jaxkv.evals.cli import _finish, _parse_common, common_config
+def evaluate(
+    job: Job,
+    *,
+    task: str = "gsm8k",
+    data: str | None = None,
+    max_new_tokens: int | None = None,
+    max_length: int = 3500,
+) -> report.ResultStore:
+    """Generates ``job.limit`` prompts of ``task`` (``examples``) with the full cache and under
+    every policy (``benchmarks.run_generation``); returns the finished store.
 
-    groups, ratios, seeds = _parse_common(args)
-    if all(g.is_full for g in groups):
-        raise ValueError("agreement needs at least one evicting policy (not only 'full')")
-    examples = _examples(args)
-    model = runner.load_eval_model(args.model)
+    Args:
+        job: the shared settings.
+        task: ``gsm8k``, ``bbh/<task>`` or ``longbench``.
+        data: the LongBench-format JSONL file of ``longbench``.
+        max_new_tokens: generation limit (None: the task's).
+        max_length: LongBench prompt tokens kept at most (middle truncation).
+
+    Raises:
+        ValueError, FileNotFoundError: only ``full`` in ``job.groups``, or as ``examples``,
+            before the model loads.
+    """
+    if all(g.is_full for g in job.groups):
+        raise ValueError(f"{NAME} needs at least one evicting policy (not only 'full')")
+    found = examples(task, data=data, limit=job.limit)
+    model = runner.load_eval_model(job.model)
     store = report.ResultStore(
-        args.out,
+        job.out,
         NAME,
         model=model.name,
-        config=common_config(args, task=args.task, max_new_tokens=args.max_new_tokens),
+        config={**job.config, "task": task, "max_new_tokens": max_new_tokens},
         summarize=summarize,
         render=render,
         plot=plot,
@@ -181,15 +192,16 @@ def _agreement_cmd(args: argparse.Namespace) -> int:
     )
     benchmarks.run_generation(
         model,
-        groups,
-        examples=examples,
-        ratios=ratios,
-        seeds=seeds,
+        job.groups,
+        examples=found,
+        ratios=job.ratios,
+        seeds=job.seeds,
         store=store,
-        max_new_tokens=args.max_new_tokens,
-        max_length=args.max_length if args.task == "longbench" else None,
-        batch_size=args.batch,
-        min_budget=args.min_budget,
-        total=len(examples),
+        max_new_tokens=max_new_tokens,
+        max_length=max_length if task == "longbench" else None,
+        batch_size=job.batch_size,
+        min_budget=job.min_budget,
+        total=len(found),
     )
-    return _finish(store)
+    store.finish()
+    return store

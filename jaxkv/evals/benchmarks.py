@@ -3,34 +3,39 @@
 One engine, ``run_generation``: examples are read lazily in batches; each batch is generated
 greedily with the full cache and then under every policy × ratio (× seed), every completion is
 scored, and the batch's records are saved before the next batch is read. Before the model
-loads, every ``--data`` file must exist and be UTF-8 text with a valid first record (an empty
+loads, every LongBench file must exist and be UTF-8 text with a valid first record (an empty
 file is an error, not an empty result); a malformed line later in a file stops the run with its
 line number while the finished examples stay on disk. Records keep the completion text and
 token count, so ``jaxkv.evals.agreement`` compares the same generations with the full cache's.
 
-* ``gsm8k``: 8-shot chain of thought, exact match of ``metrics.gsm8k_extract`` with the target.
-* ``bbh``: 3-shot chain of thought, ``metrics.bbh_match`` (``--tasks``, comma list).
-* ``longbench``: a LongBench-format JSONL file (``--data``), the official prompts, generation
-  lengths and metrics; prompts longer than ``--max-length`` tokens keep their first and last
-  halves (LongBench's ``truncate_middle``); the datasets LongBench runs with a chat template
-  get the model's.
+The jobs (``python -m jaxkv.eval gsm8k|bbh|longbench``) read the shipped copies (``tasks``) or,
+given a ``hub`` source, the full public sets (``jaxkv.evals.hub``):
+
+* ``evaluate_gsm8k``: 8-shot chain of thought, exact match of ``metrics.gsm8k_extract`` with the
+  target.
+* ``evaluate_bbh``: 3-shot chain of thought, ``metrics.bbh_match``.
+* ``evaluate_longbench``: LongBench-format JSONL files (or the public set), the official
+  prompts, generation lengths and metrics; prompts longer than ``max_length`` tokens keep their
+  first and last halves (LongBench's ``truncate_middle``); the datasets LongBench runs with a
+  chat template get the model's.
 
 Scores are in [0, 1] per example; tables show 100 × the mean and the share of the full cache's.
 """
 
 from __future__ import annotations
 
-import argparse
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 
-from jaxkv.evals import flags, metrics, report, tasks
+from jaxkv.evals import hub as hub_lib
+from jaxkv.evals import metrics, report, runner, tasks
 from jaxkv.evals.runner import (
     ByteTokenizer,
     EvalModel,
+    Job,
     PolicyGroup,
     check_fits,
     generate_ids,
@@ -40,6 +45,7 @@ from jaxkv.evals.runner import (
     switch_state,
 )
 from jaxkv.evals.tasks import Example
+from jaxkv.generate import encode_prompt
 
 Scorer = Callable[[str, Example], float]
 FULL = "full"
@@ -101,8 +107,6 @@ def _chat_ids(model: EvalModel, text: str) -> list[int]:
         model.tokenizer, "chat_template", None
     ):
         return model.encode(text)
-    from jaxkv.generate import encode_prompt
-
     return list(encode_prompt(model.tokenizer, text, chat=True))
 
 
@@ -316,113 +320,135 @@ def plot(rows: list[dict], out_dir: Path, *, name: str) -> list[Path]:
 
 
 # ----------------------------------------------------------------------------------------------
-# Subcommands
+# The jobs
 
 
-def add_parsers(sub, *, common) -> None:
-    """Adds ``gsm8k``, ``bbh`` and ``longbench`` to the suite's subparsers."""
-    gsm = sub.add_parser("gsm8k", help="GSM8K 8-shot chain of thought (exact match)")
-    common(gsm, ratios="0.5,0.25,0.125", policies="full,streaming_llm,h2o,snapkv", limit=20)
-    gsm.add_argument("--split", default="test", choices=("test", "train"))
-    gsm.add_argument(
-        "--shots", type=flags.int_range(0, 8), default=8, help="chain-of-thought exemplars"
-    )
-    gsm.add_argument("--max-new-tokens", type=flags.positive_int, default=None, help="default: 512")
-    gsm.set_defaults(func=_gsm8k_cmd)
-    bbh = sub.add_parser("bbh", help="BIG-Bench Hard 3-shot chain of thought (exact match)")
-    common(bbh, ratios="0.5,0.25,0.125", policies="full,streaming_llm,h2o,snapkv", limit=10)
-    bbh.add_argument("--tasks", default="date_understanding", help="comma list of BBH tasks")
-    bbh.add_argument("--max-new-tokens", type=flags.positive_int, default=None, help="default: 512")
-    bbh.set_defaults(func=_bbh_cmd)
-    lb = sub.add_parser("longbench", help="LongBench-format JSONL (official prompts/metrics)")
-    common(lb, ratios="0.5,0.25,0.125", policies="full,streaming_llm,h2o,snapkv", limit=None)
-    lb.add_argument("--data", required=True, action="append", help="JSONL file (repeatable)")
-    lb.add_argument("--dataset", default=None, help="dataset name (default: from file name)")
-    lb.add_argument("--config-dir", default=None, help="LongBench config folder")
-    lb.add_argument(
-        "--max-length", type=flags.positive_int, default=3500, help="prompt tokens kept at most"
-    )
-    lb.add_argument(
-        "--max-new-tokens", type=flags.positive_int, default=None, help="default: dataset's"
-    )
-    lb.set_defaults(func=_longbench_cmd)
+def evaluate_gsm8k(
+    job: Job,
+    *,
+    split: str = "test",
+    shots: int = 8,
+    max_new_tokens: int | None = None,
+    hub: str | None = None,
+) -> report.ResultStore:
+    """GSM8K chain of thought through ``run_generation``; returns the finished store.
 
+    Args:
+        job: the shared settings.
+        split: ``"test"`` or ``"train"``.
+        shots: exemplars per prompt.
+        max_new_tokens: generation limit (None: ``tasks.GSM8K_MAX_NEW_TOKENS``).
+        hub: the public set's source for ``hub.gsm8k_examples`` (None: the shipped copy).
 
-def _store(args, name: str, model: EvalModel, title: str, **config) -> report.ResultStore:
-    from jaxkv.evals.cli import common_config
-
-    return report.ResultStore(
-        args.out,
-        name,
-        model=model.name,
-        config=common_config(args, **config),
-        summarize=summarize,
-        render=render,
-        plot=lambda rows, out: plot(rows, out, name=name),
-        title=title,
-    )
-
-
-def _run_cmd(args, *, groups, ratios, seeds, name, title, examples, total=None, **config) -> int:
-    """Loads the model and runs ``examples(model)``; every argument is checked by now."""
-    from jaxkv.evals import runner
-    from jaxkv.evals.cli import _finish
-
-    max_length = config.pop("max_length", None)
-    model = runner.load_eval_model(args.model)
-    store = _store(args, name, model, title, max_new_tokens=args.max_new_tokens, **config)
-    run_generation(
-        model,
-        groups,
-        examples=examples(model),
-        ratios=ratios,
-        seeds=seeds,
-        store=store,
-        max_new_tokens=args.max_new_tokens,
-        max_length=max_length,
-        batch_size=args.batch,
-        min_budget=args.min_budget,
-        total=total,
-    )
-    return _finish(store)
-
-
-def _gsm8k_cmd(args: argparse.Namespace) -> int:
-    from jaxkv.evals.cli import _parse_common
-
-    groups, ratios, seeds = _parse_common(args)
-    examples = tasks.gsm8k_examples(args.split, n_shot=args.shots, limit=args.limit)
-    return _run_cmd(
-        args,
-        groups=groups,
-        ratios=ratios,
-        seeds=seeds,
+    Raises:
+        ValueError, FileNotFoundError: bad data or settings, before the model loads.
+        ImportError: ``hub`` without the ``datasets`` extra.
+    """
+    if hub is None:
+        examples = tasks.gsm8k_examples(split, n_shot=shots, limit=job.limit)
+    else:
+        examples = hub_lib.gsm8k_examples(hub, split, n_shot=shots, limit=job.limit)
+    return _evaluate(
+        job,
         name="gsm8k",
         title="GSM8K 8-shot CoT under KV compression (exact match, %)",
         examples=lambda model: examples,
         total=len(examples),
-        split=args.split,
-        shots=args.shots,
+        max_new_tokens=max_new_tokens,
+        config=dict(split=split, shots=shots, **_source(hub=hub)),
     )
 
 
-def _bbh_cmd(args: argparse.Namespace) -> int:
-    from jaxkv.evals.cli import _parse_common
-    from jaxkv.evals.runner import parse_list
+def evaluate_bbh(
+    job: Job,
+    *,
+    task_names: Sequence[str] = ("date_understanding",),
+    max_new_tokens: int | None = None,
+    hub: str | None = None,
+) -> report.ResultStore:
+    """BIG-Bench Hard chain of thought through ``run_generation``, ``job.limit`` examples per
+    task; returns the finished store.
 
-    groups, ratios, seeds = _parse_common(args)
-    names = list(dict.fromkeys(parse_list(args.tasks, kind=str, what="--tasks")))
-    examples = [e for t in names for e in tasks.bbh_examples(t, limit=args.limit)]
-    return _run_cmd(
-        args,
-        groups=groups,
-        ratios=ratios,
-        seeds=seeds,
+    Args:
+        job: the shared settings.
+        task_names: BBH tasks.
+        max_new_tokens: generation limit (None: ``tasks.BBH_MAX_NEW_TOKENS``).
+        hub: the public set's source for ``hub.bbh_examples`` (None: the shipped copy).
+
+    Raises:
+        ValueError, FileNotFoundError: an unknown task or bad data, before the model loads.
+        ImportError: ``hub`` without the ``datasets`` extra.
+    """
+    if hub is None:
+        examples = [e for t in task_names for e in tasks.bbh_examples(t, limit=job.limit)]
+    else:
+        examples = [e for t in task_names for e in hub_lib.bbh_examples(t, hub, limit=job.limit)]
+    return _evaluate(
+        job,
         name="bbh",
         title="BIG-Bench Hard 3-shot CoT under KV compression (exact match, %)",
         examples=lambda model: examples,
         total=len(examples),
-        tasks=names,
+        max_new_tokens=max_new_tokens,
+        config=dict(tasks=list(task_names), **_source(hub=hub)),
+    )
+
+
+def evaluate_longbench(
+    job: Job,
+    *,
+    data: Sequence[str] | None = None,
+    hub: str | None = None,
+    dataset: str | None = None,
+    config_dir: str | None = None,
+    max_length: int = 3500,
+    max_new_tokens: int | None = None,
+) -> report.ResultStore:
+    """LongBench through ``run_generation``, ``job.limit`` examples per file; returns the
+    finished store.
+
+    The examples come from LongBench-format JSONL files (``data``, read lazily: a malformed
+    line stops the run there, the examples before it saved), or from the public set
+    (``hub.longbench_examples(dataset, hub)``, read before the model loads).
+
+    Args:
+        job: the shared settings.
+        data: JSONL files, unless ``hub``.
+        hub: the public set's source (a hub name or local folder), with ``dataset``.
+        dataset: the LongBench dataset (for ``data``, default: from each file name).
+        config_dir: the folder with LongBench's config files (default: the shipped ones).
+        max_length: prompt tokens kept at most (middle truncation).
+        max_new_tokens: generation limit (None: each dataset's).
+
+    Raises:
+        ValueError, FileNotFoundError: a missing or bad file, an unknown dataset, a file
+            without records or with a bad first one, before the model loads.
+        ImportError: ``hub`` without the ``datasets`` extra.
+    """
+    if (data is None) == (hub is None):
+        raise ValueError("give LongBench files or a hub source, one of them")
+    if hub is not None:
+        if dataset is None:
+            raise ValueError("a LongBench hub source needs the dataset (e.g. hotpotqa)")
+        found = hub_lib.longbench_examples(dataset, hub, limit=job.limit, config_dir=config_dir)
+        examples, config = (lambda model: found), _source(hub=hub, dataset=dataset)
+    else:
+        check_longbench_files(data, dataset=dataset, config_dir=config_dir)
+
+        def examples(model):
+            for path in data:
+                it = tasks.iter_longbench_examples(path, dataset=dataset, config_dir=config_dir)
+                yield from itertools.islice(it, job.limit)
+
+        config = dict(data=data)
+    return _evaluate(
+        job,
+        name="longbench",
+        title="LongBench under KV compression (official metrics, 100 × mean)",
+        examples=examples,
+        max_new_tokens=max_new_tokens,
+        max_length=max_length,
+        config=config,
     )
 
 
@@ -434,27 +460,46 @@ def check_longbench_files(paths: Sequence[str], *, dataset: str | None, config_d
         next(it)  # raises on an empty file (no StopIteration: the iterator raises instead)
 
 
-def _longbench_cmd(args: argparse.Namespace) -> int:
-    from jaxkv.evals.cli import _parse_common
+def _source(*, hub: str | None, **more) -> dict:
+    """The result file's record of a public set (nothing for the shipped data)."""
+    return {} if hub is None else {"hub": hub, **more}
 
-    groups, ratios, seeds = _parse_common(args)
-    check_longbench_files(args.data, dataset=args.dataset, config_dir=args.config_dir)
 
-    def examples(model):
-        for path in args.data:
-            it = tasks.iter_longbench_examples(
-                path, dataset=args.dataset, config_dir=args.config_dir
-            )
-            yield from itertools.islice(it, args.limit)
-
-    return _run_cmd(
-        args,
-        groups=groups,
-        ratios=ratios,
-        seeds=seeds,
-        name="longbench",
-        title="LongBench under KV compression (official metrics, 100 × mean)",
-        examples=examples,
-        max_length=args.max_length,
-        data=args.data,
+def _evaluate(
+    job: Job,
+    *,
+    name: str,
+    title: str,
+    examples: Callable[[EvalModel], Iterable[Example]],
+    max_new_tokens: int | None,
+    config: dict,
+    max_length: int | None = None,
+    total: int | None = None,
+) -> report.ResultStore:
+    """Loads the model and runs ``examples(model)``; every argument is checked by now."""
+    model = runner.load_eval_model(job.model)
+    store = report.ResultStore(
+        job.out,
+        name,
+        model=model.name,
+        config={**job.config, "max_new_tokens": max_new_tokens, **config},
+        summarize=summarize,
+        render=render,
+        plot=lambda rows, out: plot(rows, out, name=name),
+        title=title,
     )
+    run_generation(
+        model,
+        job.groups,
+        examples=examples(model),
+        ratios=job.ratios,
+        seeds=job.seeds,
+        store=store,
+        max_new_tokens=max_new_tokens,
+        max_length=max_length,
+        batch_size=job.batch_size,
+        min_budget=job.min_budget,
+        total=total,
+    )
+    store.finish()
+    return store

@@ -18,6 +18,9 @@ policy's checkpoints); a deterministic policy runs once (std 0, ``n_seeds = 1``)
 The full-cache reference is the same teacher-forced loop without compression; with r = 1 the
 compressed loop reproduces it bit for bit, so those rows show KL = 0 exactly. The ``full``
 policy (which never evicts) is that reference and is reported without a second run.
+
+``evaluate`` is the whole job (``python -m jaxkv.eval fidelity``): the text is a file
+(tinyshakespeare by default) or WikiText through ``hub``.
 """
 
 from __future__ import annotations
@@ -29,9 +32,10 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxkv.evals import metrics, report
+from jaxkv.evals import hub, metrics, report, runner, tasks
 from jaxkv.evals.runner import (
     EvalModel,
+    Job,
     PolicyGroup,
     switch_compression,
     switch_policy,
@@ -41,6 +45,8 @@ from jaxkv.eviction import Compression
 from jaxkv.generate import teacher_forced
 
 NAME = "fidelity"
+TITLE = "Fidelity to the full cache (teacher forcing, paper Fig. 1)"
+DEFAULT_TEXT = "tinyshakespeare (held-out tail)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,3 +245,93 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
             )
         )
     return paths
+
+
+# ----------------------------------------------------------------------------------------------
+# The job
+
+
+def check_prompt_len(*, window: int, prompt_len: int) -> None:
+    """``prompt_len`` must leave at least one token of the ``window`` to teacher-force."""
+    if not 0 < prompt_len < window:
+        raise ValueError(
+            f"--prompt-len must be in [1, {window - 1}] (less than --window {window}), "
+            f"got {prompt_len}"
+        )
+
+
+def evaluate(
+    job: Job,
+    *,
+    window: int,
+    prompt_len: int,
+    text: str | None = None,
+    heldout: float | None = None,
+    wikitext: str | None = None,
+    wikitext_config: str = hub.WIKITEXT_CONFIG,
+    wikitext_split: str = "test",
+) -> report.ResultStore:
+    """Cuts the text into ``job.limit`` windows and runs ``run``; returns the finished store.
+
+    Args:
+        job: the shared settings.
+        window: tokens per window.
+        prompt_len: prefilled tokens per window.
+        text: a text file (None: tinyshakespeare), unless ``wikitext``.
+        heldout: the tail fraction of the text used (None: 1 for WikiText, whose test split is
+            held out already, else ``tasks.HELDOUT_FRACTION``).
+        wikitext: WikiText's source for ``hub.wikitext_text`` (a hub name or local folder).
+        wikitext_config: its config.
+        wikitext_split: its split.
+
+    Raises:
+        ValueError, FileNotFoundError: ``prompt_len`` not below ``window``, a bad text, or too
+            little of it for the windows, before the model loads; windows longer than the
+            model's context.
+        ImportError: ``wikitext`` without the ``datasets`` extra.
+    """
+    check_prompt_len(window=window, prompt_len=prompt_len)
+    if text is not None and wikitext is not None:
+        raise ValueError("give a text file or WikiText, not both")
+    body = None
+    if wikitext is not None:
+        text = f"{wikitext} [{wikitext_config}/{wikitext_split}]"
+        body = hub.wikitext_text(wikitext, wikitext_split, config=wikitext_config)
+    if heldout is None:
+        heldout = tasks.HELDOUT_FRACTION if body is None else 1.0
+    cut = dict(window=window, n_windows=job.limit, heldout_fraction=heldout, text=body)
+    tasks.check_text_windows(text, **cut)
+    model = runner.load_eval_model(job.model)
+    runner.check_fits(model, window, what="--window")
+    windows = tasks.text_windows(text, tokenizer=model.tokenizer, **cut)
+    settings = FidelitySettings(
+        prompt_len=prompt_len, batch_size=job.batch_size, min_budget=job.min_budget
+    )
+    store = report.ResultStore(
+        job.out,
+        NAME,
+        model=model.name,
+        config={
+            **job.config,
+            "text": text or DEFAULT_TEXT,
+            "window": window,
+            "prompt_len": prompt_len,
+            "windows": len(windows),
+            "heldout": heldout,
+        },
+        summarize=summarize,
+        render=render,
+        plot=plot,
+        title=TITLE,
+    )
+    run(
+        model,
+        job.groups,
+        ratios=job.ratios,
+        seeds=job.seeds,
+        windows_NT=windows,
+        settings=settings,
+        store=store,
+    )
+    store.finish()
+    return store

@@ -11,6 +11,9 @@ the few-shot prompts and the LongBench templates still come from the shipped dat
 * ``wikitext_text``: ``Salesforce/wikitext`` (``wikitext-103-raw-v1`` or ``wikitext-2-raw-v1``)
   as one text, one row per line, for ``tasks.text_windows``.
 
+The suite reads them with ``python -m jaxkv.eval gsm8k|bbh --hub SOURCE``, ``longbench --hub
+SOURCE --dataset NAME`` and ``fidelity --wikitext SOURCE``.
+
 A ``source`` is a local file or folder, or else a hub name. A file is read as the split itself
 (``.parquet``, ``.jsonl`` or ``.json``). A folder is searched for the config's split in the
 layouts of ``LOCAL_LAYOUTS``, first match wins: a snapshot of the hub repository

@@ -16,12 +16,12 @@ warm-up call that compiles):
   (prefill, decoding, eviction, host transfer); ``decode_tokens_per_s`` leaves the prefill out.
 
 The full cache has no feature or policy cost. On a shared 2-core CPU timings vary up to 2×
-between runs: compare rows of one run, not across runs.
+between runs: compare rows of one run, not across runs. ``evaluate`` is the whole job
+(``python -m jaxkv.eval latency``).
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import statistics
 import time
@@ -33,9 +33,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import eviction, kvcache
-from jaxkv.evals import flags, report
+from jaxkv.evals import report, runner, tasks
 from jaxkv.evals.runner import (
     EvalModel,
+    Job,
     PolicyGroup,
     generate_ids,
     switch_compression,
@@ -256,40 +257,29 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
     ]
 
 
-def add_parsers(sub, *, common) -> None:
-    """Adds ``latency`` to the suite's subparsers."""
-    p = sub.add_parser(NAME, help="per-component decode latency and tokens/s (Table 3)")
-    common(p, ratios="0.25", policies="full,streaming_llm,h2o,snapkv,tova,knorm", limit=None)
-    p.add_argument("--context", type=flags.positive_int, default=1024, help="prompt tokens")
-    p.add_argument(
-        "--new-tokens", type=flags.positive_int, default=32, help="generated tokens (end to end)"
-    )
-    p.add_argument("--repeats", type=flags.positive_int, default=3, help="timed repeats (medians)")
-    p.set_defaults(func=_latency_cmd, batch=1)
+def evaluate(job: Job, *, context: int, new_tokens: int, repeats: int) -> report.ResultStore:
+    """Times ``job.batch_size`` prompts of ``context`` tokens of held-out tinyshakespeare with
+    ``run``; returns the finished store (``job.limit`` and ``job.seeds`` are not used).
 
-
-def _latency_cmd(args: argparse.Namespace) -> int:
-    from jaxkv.evals import runner, tasks
-    from jaxkv.evals.cli import _finish, _parse_common, common_config
-
-    groups, ratios, _ = _parse_common(args)
-    tasks.check_text_windows(window=args.context, n_windows=args.batch)
-    model = runner.load_eval_model(args.model)
-    runner.check_fits(model, args.context + args.new_tokens, what="--context + --new-tokens")
-    prompt = tasks.text_windows(
-        window=args.context, n_windows=args.batch, tokenizer=model.tokenizer
-    )
+    Raises:
+        ValueError: too little text for the prompts, before the model loads; a prompt and its
+            new tokens longer than the model's context.
+    """
+    tasks.check_text_windows(window=context, n_windows=job.batch_size)
+    model = runner.load_eval_model(job.model)
+    runner.check_fits(model, context + new_tokens, what="--context + --new-tokens")
+    prompt = tasks.text_windows(window=context, n_windows=job.batch_size, tokenizer=model.tokenizer)
     store = report.ResultStore(
-        args.out,
+        job.out,
         NAME,
         model=model.name,
-        config=common_config(
-            args,
-            context=args.context,
-            new_tokens=args.new_tokens,
-            batch=args.batch,
-            repeats=args.repeats,
-        ),
+        config={
+            **job.config,
+            "context": context,
+            "new_tokens": new_tokens,
+            "batch": job.batch_size,
+            "repeats": repeats,
+        },
         summarize=summarize,
         render=render,
         plot=plot,
@@ -297,12 +287,13 @@ def _latency_cmd(args: argparse.Namespace) -> int:
     )
     run(
         model,
-        groups,
-        ratios=ratios,
+        job.groups,
+        ratios=job.ratios,
         prompt_BT=prompt,
-        new_tokens=args.new_tokens,
-        repeats=args.repeats,
-        min_budget=args.min_budget,
+        new_tokens=new_tokens,
+        repeats=repeats,
+        min_budget=job.min_budget,
         store=store,
     )
-    return _finish(store)
+    store.finish()
+    return store

@@ -5,22 +5,22 @@ policy; the final cache's occupied slots give the kept positions, normalized by 
 (0 = the first token, 1 = the newest). With shared granularity every layer and head keeps the
 same set; with other granularities every (layer, head) row counts equally. Also reported: the
 mean normalized position and the share of kept tokens in the first 10 %, the middle 80 % and
-the last 10 % of the sequence.
+the last 10 % of the sequence. ``evaluate`` is the whole job (``python -m jaxkv.eval positions``).
 """
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Sequence
 from pathlib import Path
 
 import jax
 import numpy as np
 
-from jaxkv.evals import flags, report
-from jaxkv.evals.fidelity import FidelitySettings
+from jaxkv.evals import report, runner, tasks
+from jaxkv.evals.fidelity import FidelitySettings, check_prompt_len
 from jaxkv.evals.runner import (
     EvalModel,
+    Job,
     PolicyGroup,
     switch_compression,
     switch_policy,
@@ -159,52 +159,47 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
     return paths
 
 
-def add_parsers(sub, *, common) -> None:
-    """Adds ``positions`` to the suite's subparsers."""
-    p = sub.add_parser(NAME, help="histogram of retained token positions (Fig. 5)")
-    common(p, ratios="0.25", policies="random,streaming_llm,h2o,snapkv,tova,keydiff,knorm", limit=4)
-    p.add_argument("--text", default=None, help="text file (default: tinyshakespeare)")
-    p.add_argument("--window", type=flags.int_range(2), default=512, help="tokens per window")
-    p.add_argument(
-        "--prompt-len", type=flags.positive_int, default=256, help="prefilled tokens per window"
-    )
-    p.set_defaults(func=_positions_cmd)
+def evaluate(
+    job: Job, *, window: int, prompt_len: int, text: str | None = None
+) -> report.ResultStore:
+    """Cuts ``job.limit`` held-out windows of ``text`` (None: tinyshakespeare) as ``fidelity``
+    does and runs ``run``; returns the finished store.
 
-
-def _positions_cmd(args: argparse.Namespace) -> int:
-    from jaxkv.evals import runner, tasks
-    from jaxkv.evals.cli import _finish, _parse_common, check_prompt_len, common_config
-
-    groups, ratios, seeds = _parse_common(args)
-    if all(g.is_full for g in groups):
-        raise ValueError("positions needs at least one evicting policy (not only 'full')")
-    check_prompt_len(args)
-    tasks.check_text_windows(args.text, window=args.window, n_windows=args.limit)
-    model = runner.load_eval_model(args.model)
-    runner.check_fits(model, args.window, what="--window")
+    Raises:
+        ValueError, FileNotFoundError: only ``full`` in ``job.groups``, ``prompt_len`` not
+            below ``window``, a bad text or too little of it, before the model loads; windows
+            longer than the model's context.
+    """
+    if all(g.is_full for g in job.groups):
+        raise ValueError(f"{NAME} needs at least one evicting policy (not only 'full')")
+    check_prompt_len(window=window, prompt_len=prompt_len)
+    tasks.check_text_windows(text, window=window, n_windows=job.limit)
+    model = runner.load_eval_model(job.model)
+    runner.check_fits(model, window, what="--window")
     windows = tasks.text_windows(
-        args.text, window=args.window, n_windows=args.limit, tokenizer=model.tokenizer
+        text, window=window, n_windows=job.limit, tokenizer=model.tokenizer
     )
     store = report.ResultStore(
-        args.out,
+        job.out,
         NAME,
         model=model.name,
-        config=common_config(args, window=args.window, prompt_len=args.prompt_len),
+        config={**job.config, "window": window, "prompt_len": prompt_len},
         summarize=summarize,
         render=render,
         plot=plot,
         title="Retained token positions (paper Fig. 5)",
     )
     settings = FidelitySettings(
-        prompt_len=args.prompt_len, batch_size=args.batch, min_budget=args.min_budget
+        prompt_len=prompt_len, batch_size=job.batch_size, min_budget=job.min_budget
     )
     run(
         model,
-        groups,
-        ratios=ratios,
-        seeds=seeds,
+        job.groups,
+        ratios=job.ratios,
+        seeds=job.seeds,
         windows_NT=windows,
         settings=settings,
         store=store,
     )
-    return _finish(store)
+    store.finish()
+    return store

@@ -12,7 +12,7 @@ Nothing is written before the first record (or ``finish``): creating a store nei
 that file stays intact until the new run has its first record, and is then replaced atomically
 (readers see the old version or the new one, never a mix); a run that fails earlier — bad
 arguments, a missing file, a model that does not load — leaves it as it was. The suite's
-command line writes each run to a fresh folder unless ``--out`` is given (``jaxkv.evals.cli``).
+command line writes each run to a fresh folder unless ``--out`` is given (``jaxkv.cli.suite``).
 The JSON layout:
 
 ``{"model": ..., "complete": bool, "config": {...}, "results": [...], "records": [...]}``

@@ -9,16 +9,18 @@ Seeded prompts from ``jaxkv.evals.tasks`` at several context lengths, completion
 
 Greedy, 20 new tokens; an answer is correct when the key stands in its first non-empty line
 (``metrics.retrieval_match``). Accuracy per policy × ratio × length, mean ± std over seeds for
-the random policy. The generation engine is ``benchmarks.run_generation`` (same partial saving).
+the random policy. The generation engine is ``benchmarks.run_generation`` (same partial saving);
+``evaluate`` is the whole job (``python -m jaxkv.eval retrieval``).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
 
-from jaxkv.evals import benchmarks, flags, metrics, report, tasks
+from jaxkv.evals import benchmarks, metrics, report, runner, tasks
+from jaxkv.evals.runner import Job
 from jaxkv.evals.tasks import Example
 
 NAME = "retrieval"
@@ -113,38 +115,36 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
     return paths
 
 
-def add_parsers(sub, *, common) -> None:
-    """Adds ``retrieval`` to the suite's subparsers."""
-    p = sub.add_parser(NAME, help="passkey / needle retrieval vs context length (Table 2)")
-    common(p, ratios="0.5,0.25,0.125", policies="full,streaming_llm,h2o,snapkv,tova", limit=6)
-    p.add_argument("--tasks", default="passkey,needle", help="comma list: passkey, needle")
-    p.add_argument("--lengths", default="1024,2048", help="context lengths in tokens")
-    p.add_argument(
-        "--data-seed", type=flags.seed, default=0, help="seed of keys, depths and filler"
-    )
-    p.set_defaults(func=_retrieval_cmd, batch=6)
+def evaluate(
+    job: Job, *, task_names: Sequence[str], lengths: Sequence[int], data_seed: int = 0
+) -> report.ResultStore:
+    """``job.limit`` seeded prompts of every task × length through
+    ``benchmarks.run_generation``; returns the finished store.
 
+    Args:
+        job: the shared settings.
+        task_names: names from ``TASKS``.
+        lengths: context lengths in tokens, each at least ``MIN_LENGTH``.
+        data_seed: seed of the keys, depths and filler.
 
-def _retrieval_cmd(args: argparse.Namespace) -> int:
-    from jaxkv.evals import runner
-    from jaxkv.evals.cli import _finish, _parse_common, common_config
-
-    groups, ratios, seeds = _parse_common(args)
-    names = list(dict.fromkeys(runner.parse_list(args.tasks, kind=str, what="--tasks")))
-    lengths = list(dict.fromkeys(runner.parse_list(args.lengths, kind=int, what="--lengths")))
-    for name in names:
+    Raises:
+        ValueError: an unknown task or a short length, before the model loads; a prompt longer
+            than the model's context, before the first cell runs.
+    """
+    for name in task_names:
         if name not in TASKS:
             raise ValueError(f"unknown retrieval task {name!r}; valid: {', '.join(TASKS)}")
     if min(lengths) < MIN_LENGTH:
-        raise ValueError(f"--lengths must be >= {MIN_LENGTH} tokens, got {lengths}")
-    model = runner.load_eval_model(args.model)
+        raise ValueError(f"--lengths must be >= {MIN_LENGTH} tokens, got {list(lengths)}")
+    model = runner.load_eval_model(job.model)
     for n_tokens in lengths:
-        runner.check_fits(model, n_tokens + 64 + tasks.RETRIEVAL_MAX_NEW_TOKENS, what="--lengths")
+        need = n_tokens + 64 + tasks.RETRIEVAL_MAX_NEW_TOKENS
+        runner.check_fits(model, need, what="--lengths")
     store = report.ResultStore(
-        args.out,
+        job.out,
         NAME,
         model=model.name,
-        config=common_config(args, tasks=names, lengths=lengths, data_seed=args.data_seed),
+        config={**job.config, "tasks": task_names, "lengths": lengths, "data_seed": data_seed},
         summarize=benchmarks.summarize,
         render=render,
         plot=plot,
@@ -152,20 +152,21 @@ def _retrieval_cmd(args: argparse.Namespace) -> int:
     )
     # every prompt is built (and checked) before the first cell runs and saves
     batches = [
-        examples(name, n_tokens=n, n=args.limit, seed=args.data_seed, tokenizer=model.tokenizer)
-        for name in names
+        examples(name, n_tokens=n, n=job.limit, seed=data_seed, tokenizer=model.tokenizer)
+        for name in task_names
         for n in lengths
     ]
     for batch in batches:
         benchmarks.run_generation(
             model,
-            groups,
+            job.groups,
             examples=batch,
-            ratios=ratios,
-            seeds=seeds,
+            ratios=job.ratios,
+            seeds=job.seeds,
             store=store,
-            batch_size=args.batch,
-            min_budget=args.min_budget,
+            batch_size=job.batch_size,
+            min_budget=job.min_budget,
             total=len(batch),
         )
-    return _finish(store)
+    store.finish()
+    return store

@@ -5,13 +5,12 @@
 * ``parse_policies``: ``--policies`` items into ``PolicyGroup`` s. A group is one table row;
   its members are the seeds of a learned policy (``learned:a+b`` or a glob), and the random
   policy is seeded through the run key.
-* ``learned_path`` / ``load_learned_policy``: where a ``learned:<path>`` checkpoint lies and the
-  Policy saved there, with a one-line ``ValueError`` for anything that is not a policy folder.
-  A relative path is looked up in the working directory, then under the repository root
-  (``REPO_ROOT``, the folder holding ``jaxkv/`` and the shipped ``policies/``), then in
-  ``REPO_ROOT/policies``: ``learned:policies/distillcache_smollm2_cpu`` and
-  ``learned:distillcache_smollm2_cpu`` both name the shipped policy from any directory (in a
-  source checkout or an editable install; a wheel ships no ``policies/``).
+* ``load_learned_policy``: the Policy that ``learned:<spec>`` names
+  (``jaxkv.policies.learned.checkpoint_path``: an existing path, else the name of a checkpoint
+  shipped in ``jaxkv/checkpoints/``), with a one-line ``ValueError`` for anything that is not a
+  policy checkpoint.
+* ``Job``: the settings every suite evaluation shares (``jaxkv.cli.suite`` builds it from
+  the common flags).
 * ``switch_policy``: several policies behind one ``Policy`` whose state picks the member
   (``lax.switch``). Each compiled shape then serves every policy: on this CPU a compile of
   the 30-layer model costs ~25 s, so compiling once per (ratio, shape) instead of once per
@@ -32,17 +31,18 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from jaxkv import checkpoint as checkpoint_lib
 from jaxkv import eviction
 from jaxkv.config import ModelConfig
 from jaxkv.eviction import Compression
-from jaxkv.generate import generate_tokens
-from jaxkv.policies import Policy, get_policy, policy_names
+from jaxkv.generate import generate_tokens, stop_token_ids
+from jaxkv.model.loading import load_model
+from jaxkv.model.params import init_params
+from jaxkv.policies import Policy, get_policy
+from jaxkv.policies import learned as learned_lib
 
 TINY = "tiny"
-REPO_ROOT = Path(__file__).resolve().parents[2]
-POLICY_META = "policy.json"  # the file every policy checkpoint folder has (jaxkv.checkpoint)
 TINY_CONTEXT = 8192  # byte tokens: few-shot GSM8K / BBH prompts are 3-6K bytes
 
 
@@ -116,15 +116,10 @@ def load_eval_model(name: str, *, seed: int = 0) -> EvalModel:
             checkpoint without a tokenizer.
     """
     if name == TINY:
-        from jaxkv.model.params import init_params
-
         config = ModelConfig.tiny(max_seq_len=TINY_CONTEXT)
         params = init_params(config, key=jax.random.key(seed), scale=0.2)
         tok = ByteTokenizer()
         return EvalModel(name, config, params, tok, (tok.eos_token_id,), tok.pad_token_id)
-    from jaxkv.generate import stop_token_ids
-    from jaxkv.model.loading import load_model
-
     loaded = load_model(name)
     if loaded.tokenizer is None:
         raise ValueError(f"{name}: the checkpoint has no tokenizer; the suite needs one")
@@ -168,6 +163,33 @@ class PolicyGroup:
         if self.seeded:
             return [(p, s) for p in self.members for s in seeds]
         return [(p, seeds[0] if seeds else 0) for p in self.members]
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One suite evaluation's shared settings: the model, the rows, the budgets, the output.
+
+    Attributes:
+        model: the model to load (``load_eval_model``).
+        groups: the policy rows (``parse_policies``).
+        ratios: budget ratios.
+        seeds: seeds of seeded groups (the first one for the rest).
+        out: the output folder of the ``report.ResultStore``.
+        config: the settings recorded first in the result file's ``"config"``.
+        limit: examples (windows) to run; None: all of them.
+        min_budget: B_min of every compression.
+        batch_size: sequences per compiled call.
+    """
+
+    model: str
+    groups: tuple[PolicyGroup, ...]
+    ratios: tuple[float, ...]
+    seeds: tuple[int, ...]
+    out: Path
+    config: dict = dataclasses.field(default_factory=dict)
+    limit: int | None = None
+    min_budget: int = 32
+    batch_size: int = 4
 
 
 def parse_list(text: str, *, kind: type, what: str) -> list:
@@ -225,57 +247,29 @@ def _learned_group(spec: str) -> PolicyGroup:
     for part in spec.split("+"):
         if glob.has_magic(part):
             matches = sorted(glob.glob(part))
-            if not matches and not Path(part).is_absolute():
-                matches = sorted(glob.glob(str(REPO_ROOT / part)))
             if not matches:
                 raise ValueError(f"learned policy pattern {part!r} matches no checkpoint")
             paths.extend(Path(m) for m in matches)
         else:
-            paths.append(learned_path(part))
+            paths.append(learned_lib.checkpoint_path(part))
     members = tuple(load_learned_policy(p) for p in paths)
     label = "learned" if len(paths) > 1 else f"learned:{paths[0].name}"
     return PolicyGroup(label, members)
 
 
-def learned_path(spec: str | os.PathLike) -> Path:
-    """The policy checkpoint folder that ``learned:<spec>`` names (see the module docstring).
+def load_learned_policy(spec: str | os.PathLike) -> Policy:
+    """The learned Policy that ``learned:<spec>`` names (see the module docstring).
 
     Raises:
-        ValueError: one line: no such folder (naming where it looked), a file, or a folder
-            without ``policy.json``.
+        ValueError: one line naming the folder and the reason: no such folder or shipped
+            checkpoint, not a policy checkpoint, or whatever the checkpoint reader raised
+            (orbax and TensorStore raise many exception types, some with long texts).
     """
-    path = Path(spec).expanduser()
-    candidates = [path]
-    if not path.is_absolute():
-        candidates += [REPO_ROOT / path, REPO_ROOT / "policies" / path]
-    found = next((c for c in candidates if c.exists()), None)
-    if found is None:
-        where = ", ".join(str(c) for c in candidates)
-        raise ValueError(f"learned policy {str(spec)!r}: no such folder (looked for {where})")
-    if not found.is_dir():
-        raise ValueError(f"learned policy {str(found)!r} is a file, not a policy checkpoint folder")
-    if not (found / POLICY_META).is_file():
-        raise ValueError(
-            f"learned policy {str(found)!r} is not a policy checkpoint folder (no {POLICY_META}; "
-            f"write one with python -m jaxkv.train distillcache)"
-        )
-    return found
-
-
-def load_learned_policy(path: str | os.PathLike) -> Policy:
-    """The learned Policy saved in the folder ``path`` (after ``learned_path``).
-
-    Raises:
-        ValueError: one line naming the folder and the reason, whatever the checkpoint reader
-            raised (orbax and TensorStore raise many exception types, some with long texts).
-    """
+    path = learned_lib.checkpoint_path(spec)
     try:
         return get_policy(f"learned:{path}")
-    except ImportError as err:
-        raise ValueError(
-            f"cannot load learned policy {str(path)!r}: the learned-policy code is not "
-            f"available ({err}); heuristic policies: {policy_names()}"
-        ) from err
+    except checkpoint_lib.CheckpointError:
+        raise  # one line already
     except Exception as err:  # noqa: BLE001 - any reader failure is a bad checkpoint folder
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise ValueError(f"cannot load learned policy {str(path)!r}: {first}") from err
@@ -384,8 +378,3 @@ def check_fits(model: EvalModel, n_tokens: int, *, what: str) -> None:
             f"{what}: {n_tokens} tokens exceed {model.name}'s context of "
             f"{model.config.max_seq_len} tokens"
         )
-
-
-def as_float_list(x) -> list[float]:
-    """A numpy array or list as plain Python floats (JSON-ready)."""
-    return [float(v) for v in np.asarray(x).ravel()]

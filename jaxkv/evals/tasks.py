@@ -751,8 +751,8 @@ def read_text_file(path: PathLike) -> str:
     return text
 
 
-def _heldout_text(path: PathLike, heldout_fraction: float) -> str:
-    text = read_text_file(path)
+def _heldout_text(path: PathLike, heldout_fraction: float, text: str | None = None) -> str:
+    text = read_text_file(path) if text is None else text
     if not text.strip():
         raise ValueError(f"{path}: the text is empty")
     _, heldout = split_heldout(text, fraction=heldout_fraction)
@@ -779,12 +779,14 @@ def check_text_windows(
     n_windows: int,
     heldout_fraction: float = HELDOUT_FRACTION,
     data_dir: PathLike | None = None,
+    text: str | None = None,
 ) -> None:
     """The checks of ``text_windows`` that need no tokenizer, to run before a model loads.
 
     A window of ``window`` tokens needs at least ``window`` bytes of text (a token covers at
     least one byte in byte-level BPE and SentencePiece with byte fallback), so a held-out part
-    with fewer bytes is certainly too short; ``text_windows`` counts the tokens exactly.
+    with fewer bytes is certainly too short; ``text_windows`` counts the tokens exactly. The
+    arguments are those of ``text_windows``.
 
     Raises:
         FileNotFoundError: missing file.
@@ -794,7 +796,7 @@ def check_text_windows(
     if window <= 0 or n_windows <= 0:
         raise ValueError(f"need window > 0 and n_windows > 0; got {window}, {n_windows}")
     path = _text_path(path, data_dir)
-    n_bytes = len(_heldout_text(path, heldout_fraction).encode("utf-8"))
+    n_bytes = len(_heldout_text(path, heldout_fraction, text).encode("utf-8"))
     if n_bytes < window:
         raise ValueError(
             f"{path} has only {n_bytes} bytes, so at most {n_bytes} tokens, in its held-out "
@@ -817,6 +819,7 @@ def text_windows(
     offset: int = 0,
     heldout_fraction: float = HELDOUT_FRACTION,
     data_dir: PathLike | None = None,
+    text: str | None = None,
 ) -> np.ndarray:
     """Consecutive, non-overlapping token windows from the held-out part of a text file.
 
@@ -831,6 +834,8 @@ def text_windows(
         offset: tokens of the held-out part to skip first.
         heldout_fraction: the tail fraction of the file used (1.0 = the whole file).
         data_dir: the shared data folder (for the default path).
+        text: the text itself, already read (``hub.wikitext_text``); ``path`` then only names
+            it in messages.
 
     Returns:
         ``[n_windows, window]`` int32 token ids.
@@ -845,7 +850,7 @@ def text_windows(
             f"need window > 0, n_windows > 0, offset >= 0; got {window}, {n_windows}, {offset}"
         )
     path = _text_path(path, data_dir)
-    heldout = _heldout_text(path, heldout_fraction)
+    heldout = _heldout_text(path, heldout_fraction, text)
     ids = np.asarray(token_ids(tokenizer, heldout), dtype=np.int64)
     if ids.size < offset + window:
         raise ValueError(

@@ -4,7 +4,8 @@ Each is an ``argparse`` ``type=``: a bad value ends the command at parse time, b
 policy or data is loaded and before anything is written, with
 ``python -m jaxkv.eval <cmd>: error: argument --batch: must be an integer >= 1, got '0'`` and exit
 status 2. Comma lists (``--ratios``, ``--seeds``) are checked by ``parse_seeds`` and
-``jaxkv.evals.runner.parse_ratios`` at the start of every subcommand, also before anything loads.
+``jaxkv.evals.runner.parse_ratios`` at the start of every suite subcommand
+(``jaxkv.cli.suite``), also before anything loads.
 """
 
 from __future__ import annotations
