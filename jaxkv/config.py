@@ -6,6 +6,22 @@ Axis glossary (used in shape suffixes across jaxkv, e.g. ``k_LBKCH``):
     G  query heads per KV   N  query heads (K*G)   C  cache slots
     T  tokens (sequence)    S  key positions       H  head dim
     D  model dim            F  MLP hidden dim      V  vocabulary
+
+KVLearn (``jaxkv/kvlearn``: the KV pool of a disaggregated serving system; no letter above is
+reused with another meaning):
+
+    P  prefix keys: key ids with a history row (serving: dense block ids, one per chained
+       prefix hash)
+    R  requests                             E  victims one admission evicts
+    Z  slots of the pool's block table      Y  slot groups of the victim search (Z = Y·W)
+    W  slots per group                      J  columns of the per-key history table
+    I  PRP input features (16)              U  hidden units of the PRP's MLP
+    M  replay-buffer rows                   A  Adam steps in one PRP training round
+    Q  runs trained together in one batched round (``prp.maybe_train_batch``)
+    B  (as above) a PRP minibatch, or independent simulator runs under ``vmap``
+
+(``PRPState``'s fields keep ``F`` for the feature axis, ``mean_F`` / ``buf_x_MF``: they are the
+keypaths of saved PRP checkpoints; see ``jaxkv/kvlearn/core/prp.py``.)
 """
 
 from __future__ import annotations

@@ -17,10 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.kvlearn import control
-from jaxkv.kvlearn import features as F
-from jaxkv.kvlearn import pool as pool_lib
-from jaxkv.kvlearn.facade import _admit, _lookup, _tick
+from jaxkv.kvlearn.core import control
+from jaxkv.kvlearn.core import features as features_lib
+from jaxkv.kvlearn.core import pool as pool_lib
+from jaxkv.kvlearn.core.facade import _admit, _lookup, _tick
 
 BLOCK_TOKENS = 64  # 8 MiB blocks with the LLaMA-3-8B footprint
 
@@ -31,23 +31,23 @@ def full_state(cfg: control.KVLearnConfig, n_blocks: int):
     state = control.init(cfg, capacity_bytes=n_blocks * kib * 1024, key=jax.random.key(0))
     rng = np.random.default_rng(0)
     c = state.pool.n_slots
-    key_C = np.full(c, -1, np.int32)
-    key_C[:n_blocks] = np.arange(n_blocks)
-    slot_K = np.full(cfg.max_keys, -1, np.int32)
-    slot_K[:n_blocks] = np.arange(n_blocks)
-    rank_C = np.where(key_C >= 0, rng.random(c), 0).astype(np.float32)
+    key_Z = np.full(c, -1, np.int32)
+    key_Z[:n_blocks] = np.arange(n_blocks)
+    slot_P = np.full(cfg.max_keys, -1, np.int32)
+    slot_P[:n_blocks] = np.arange(n_blocks)
+    rank_Z = np.where(key_Z >= 0, rng.random(c), 0).astype(np.float32)
     pool = state.pool.replace(
-        key_C=jnp.asarray(key_C),
-        kib_C=jnp.asarray(np.where(key_C >= 0, kib, 0).astype(np.int32)),
-        rank_C=jnp.asarray(rank_C),
-        value_C=jnp.asarray(rank_C * 1e-3),
-        slot_K=jnp.asarray(slot_K),
+        key_Z=jnp.asarray(key_Z),
+        kib_Z=jnp.asarray(np.where(key_Z >= 0, kib, 0).astype(np.int32)),
+        rank_Z=jnp.asarray(rank_Z),
+        value_Z=jnp.asarray(rank_Z * 1e-3),
+        slot_P=jnp.asarray(slot_P),
         used_kib=jnp.int32(n_blocks * kib),
         n_free=jnp.int32(0),
     )
-    pool = pool_lib.set_ranks(pool, rank_C=pool.rank_C, value_C=pool.value_C)
-    table = state.hist.table_KP.at[:n_blocks, F.N_REQ].set(1.0)
-    hist = state.hist.replace(table_KP=table.at[:n_blocks, F.TOKENS].set(BLOCK_TOKENS))
+    pool = pool_lib.set_ranks(pool, rank_Z=pool.rank_Z, value_Z=pool.value_Z)
+    table = state.hist.table_PJ.at[:n_blocks, features_lib.N_REQ].set(1.0)
+    hist = state.hist.replace(table_PJ=table.at[:n_blocks, features_lib.TOKENS].set(BLOCK_TOKENS))
     atc = state.atc.replace(theta=jnp.float32(-0.5))
     return state.replace(pool=pool, hist=hist, atc=atc)
 
@@ -77,7 +77,7 @@ def bench(n_blocks: int, repeats: int) -> dict:
         if i >= 3:
             times["lookup"].append(t1 - t0)
             times["admit"].append(t2 - t1)
-    resident = int(jnp.sum(state.pool.key_C >= 0))
+    resident = int(jnp.sum(state.pool.key_Z >= 0))
     out = {f"{k}_ms_median": 1e3 * statistics.median(v) for k, v in times.items()}
     return out | {
         "resident_blocks": resident,

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxkv.kvlearn import simulate as S
-from jaxkv.kvlearn.baselines import POLICIES
-from jaxkv.kvlearn.cli import plot_sweep
+from jaxkv.kvlearn.report import plot_sim_sweep
+from jaxkv.kvlearn.sim import simulate as simulate_lib
+from jaxkv.kvlearn.sim.policies import POOL_POLICIES as POLICIES
 
 ALPHAS, POOLS = [0.8, 1.1, 1.4], [1, 4, 16]
 
@@ -136,18 +136,18 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    rows, seconds = S.sweep(
+    rows, seconds = simulate_lib.sweep(
         n_requests=args.n_requests,
         alphas=ALPHAS,
         pools_gib=POOLS,
         seeds=list(range(args.seeds)),
         policies=POLICIES,
     )
-    summary = S.summarize(rows)
+    summary = simulate_lib.summarize(rows)
     checks = _cell_checks(rows)
     md = _markdown(checks, args.n_requests, args.seeds, seconds)
     print(md)
-    plot_sweep(summary, path=out / "goals.png", alphas=ALPHAS, policies=list(POLICIES))
+    plot_sim_sweep(summary, path=out / "goals.png", alphas=ALPHAS, policies=list(POLICIES))
     config = {
         "n_requests": args.n_requests,
         "alphas": ALPHAS,

@@ -9,27 +9,32 @@ Usage: python scripts/bench_kvlearn_serving.py [--trace PATH] [--out results/kvl
            [--seeds 0,1,2]
 
 Writes serving_goals.json and serving_goals.md. KVLearn's hyper-parameters are its defaults
-(``block_kvlearn.BlockKVLearn``), chosen on the first 2,000 requests of the shipped trace and on
-MM-Session traces, never on this evaluation; the ``held-out`` rows replay only requests
-2,000.. (a cold start on the part of the trace no tuning run saw). ``--tune`` runs KVLearn
-variants on that tuning split only (``tune``) and applies the selection rule.
+(``BlockKVLearnConfig`` in ``jaxkv/kvlearn/serving/policies/kvlearn.py``), chosen on the first
+2,000 requests of the shipped trace and on MM-Session traces, never on this evaluation; the
+``held-out`` rows replay only requests 2,000.. (a cold start on the part of the trace no tuning
+run saw). ``--tune`` runs KVLearn variants on that tuning split only (``tune``) and applies the
+selection rule.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-from jaxkv.kvlearn import serving as SV
-from jaxkv.kvlearn import traces as T
+from jaxkv.kvlearn import traces as traces_lib
+from jaxkv.kvlearn import workloads
 from jaxkv.kvlearn.cost import CostModel
+from jaxkv.kvlearn.serving import engine, metrics
+from jaxkv.kvlearn.serving.policies import BLOCK_POLICIES
 
-TRACE = T.EXAMPLE  # the Mooncake example trace shipped with jaxkv (T.trace_path)
+TRACE = traces_lib.EXAMPLE  # the Mooncake example trace shipped with jaxkv (trace_path)
 FRACS = (0.1, 0.25, 0.5)
 TUNE_HEAD = 2000
 # the heavy MM-Session workload of the tuning split (seeds 1 and 2, the second bursty; 8 nodes)
@@ -47,9 +52,7 @@ MM_HEAVY = dict(
 )
 
 
-def _tail(tr: SV.MooncakeTrace, start: int) -> SV.MooncakeTrace:
-    import dataclasses
-
+def _tail(tr: traces_lib.MooncakeTrace, start: int) -> traces_lib.MooncakeTrace:
     return dataclasses.replace(
         tr,
         time_s=tr.time_s[start:] - tr.time_s[start],
@@ -59,7 +62,7 @@ def _tail(tr: SV.MooncakeTrace, start: int) -> SV.MooncakeTrace:
     )
 
 
-def _distinct(tr: SV.MooncakeTrace) -> int:
+def _distinct(tr: traces_lib.MooncakeTrace) -> int:
     return len(np.unique(np.concatenate(tr.blocks)))
 
 
@@ -82,7 +85,7 @@ def main() -> None:
     p.add_argument("--seeds", default="0,1,2", help="PRP seeds per variant for --tune")
     args = p.parse_args()
     cost = CostModel.llama3_8b_a100()
-    base = SV.load_mooncake_trace(T.trace_path(args.trace))
+    base = traces_lib.load_mooncake_trace(traces_lib.trace_path(args.trace))
     if args.speed:
         return speed(base, cost, args.prefill_nodes, Path(args.out))
     if args.tune:
@@ -98,9 +101,11 @@ def main() -> None:
         for load in loads:
             tr = tr0.scaled(load)
             for frac in FRACS:
-                cfg = SV.ServingConfig(pool_blocks=int(frac * nd), prefill_nodes=args.prefill_nodes)
+                cfg = engine.ServingConfig(
+                    pool_blocks=int(frac * nd), prefill_nodes=args.prefill_nodes
+                )
                 search = part == "full" and load == 1.0 and frac in rate_fracs
-                for r in SV.compare(
+                for r in metrics.compare(
                     tr, cfg=cfg, cost=cost, rate_search=search, attainment=args.attainment
                 ):
                     rows.append(r | {"part": part, "pool_frac": frac, "load_scale": load})
@@ -121,7 +126,7 @@ def main() -> None:
         "held_out_from_request": TUNE_HEAD,
         "prefill_nodes": args.prefill_nodes,
         "cost": "llama3-8b-a100",
-        "slo_ms": SV.ServingConfig(pool_blocks=0).slo_ms,
+        "slo_ms": engine.ServingConfig(pool_blocks=0).slo_ms,
         "attainment": args.attainment,
         "total_s": time.perf_counter() - t_start,
     }
@@ -130,18 +135,18 @@ def main() -> None:
     print(f"wrote {out / 'serving_goals.json'} and serving_goals.md")
 
 
-def speed(tr: SV.MooncakeTrace, cost: CostModel, nodes: int, out: Path) -> None:
+def speed(tr: traces_lib.MooncakeTrace, cost: CostModel, nodes: int, out: Path) -> None:
     """Times one simulation of the whole trace per policy (25 % pool): KVLearn first in this
     fresh process (its first run includes the PRP's JIT compilation), then every baseline, then
     KVLearn twice more; writes serving_speed.json with the 1-minute load average at each run."""
-    cfg = SV.ServingConfig(pool_blocks=int(0.25 * tr.n_blocks), prefill_nodes=nodes)
+    cfg = engine.ServingConfig(pool_blocks=int(0.25 * tr.n_blocks), prefill_nodes=nodes)
     blocks = sum(len(b) for b in tr.blocks)
     print(f"{len(tr)} requests, {blocks} block accesses, pool 25 % of {tr.n_blocks} blocks")
     runs = []
-    for p in ["kvlearn"] + [x for x in SV.POLICIES if x != "kvlearn"] + ["kvlearn"] * 2:
+    for p in ["kvlearn"] + [x for x in BLOCK_POLICIES if x != "kvlearn"] + ["kvlearn"] * 2:
         load = os.getloadavg()[0]
         t0 = time.perf_counter()
-        SV.simulate(tr, p, cfg=cfg, cost=cost)
+        engine.simulate(tr, p, cfg=cfg, cost=cost)
         runs.append({"policy": p, "wall_s": time.perf_counter() - t0, "load_1min": load})
         print(f"{p:<14} {runs[-1]['wall_s']:6.2f} s  (load {load:.2f})", flush=True)
     out.mkdir(parents=True, exist_ok=True)
@@ -149,37 +154,36 @@ def speed(tr: SV.MooncakeTrace, cost: CostModel, nodes: int, out: Path) -> None:
     (out / "serving_speed.json").write_text(json.dumps(meta | {"runs": runs}, indent=2))
 
 
-def tuning_split(tr: SV.MooncakeTrace, nodes: int) -> dict:
+def tuning_split(tr: traces_lib.MooncakeTrace, nodes: int) -> dict:
     """The traces KVLearn is tuned on: {name: (trace, prefill nodes)}."""
-    import tempfile
-
-    from jaxkv.kvlearn import mmsession as MM
-
     out = {f"head{TUNE_HEAD}": (tr.head(TUNE_HEAD), nodes)}
     for seed, bursty in ((1, False), (2, True)):
-        cfg = MM.MMSessionConfig(bursty=bursty, **MM_HEAVY)
+        cfg = workloads.MMSessionConfig(bursty=bursty, **MM_HEAVY)
         with tempfile.TemporaryDirectory() as d:
-            MM.write_jsonl(MM.generate(1500, seed=seed, cfg=cfg), f"{d}/mm.jsonl")
+            records = workloads.mm_session(1500, seed=seed, cfg=cfg)
+            traces_lib.save_mooncake_jsonl(records, f"{d}/mm.jsonl")
             out[f"mm{seed}{'-bursty' if bursty else ''}"] = (
-                SV.load_mooncake_trace(f"{d}/mm.jsonl"),
+                traces_lib.load_mooncake_trace(f"{d}/mm.jsonl"),
                 8,
             )
     return out
 
 
 def _summary(tr, policy, cfg, cost, **kw) -> dict:
-    rec = SV.simulate(tr, policy, cfg=cfg, cost=cost, **kw)
-    return SV.summarize(policy, rec, cost=cost, cfg=cfg)
+    rec = engine.simulate(tr, policy, cfg=cfg, cost=cost, **kw)
+    return metrics.summarize(policy, rec, cost=cost, cfg=cfg)
 
 
-def tune(tr: SV.MooncakeTrace, cost: CostModel, variants: dict, seeds: list, nodes: int) -> None:
+def tune(
+    tr: traces_lib.MooncakeTrace, cost: CostModel, variants: dict, seeds: list, nodes: int
+) -> None:
     """Selection rule: the most cells (trace × pool) whose seed-mean TTFT mean, p99 and transfer
     are all below both Mooncake's and LRU-Pool's; ties go to the largest summed mean gain."""
     keys = ("ttft_ms_mean", "ttft_ms_p99", "transfer_gib")
     score = {v: [0, 0.0] for v in variants}
     for name, (t, n) in tuning_split(tr, nodes).items():
         for frac in FRACS:
-            cfg = SV.ServingConfig(pool_blocks=int(frac * _distinct(t)), prefill_nodes=n)
+            cfg = engine.ServingConfig(pool_blocks=int(frac * _distinct(t)), prefill_nodes=n)
             ref = {b: _summary(t, b, cfg, cost) for b in ("mooncake", "lru")}
             for v, kw in variants.items():
                 rs = [_summary(t, "kvlearn", cfg, cost, **kw, seed=s) for s in seeds]

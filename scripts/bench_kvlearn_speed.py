@@ -19,9 +19,9 @@ import statistics
 import time
 from pathlib import Path
 
-from jaxkv.kvlearn import simulate as S
-from jaxkv.kvlearn import traces as T
+from jaxkv.kvlearn import workloads
 from jaxkv.kvlearn.cost import GIB
+from jaxkv.kvlearn.sim import simulate as simulate_lib
 
 
 def _timed(fn):
@@ -31,8 +31,8 @@ def _timed(fn):
 
 
 def million(policy: str) -> dict:
-    tr = T.zipf_multimodal(1_000_000, 1.1, seed=0)
-    run = lambda: S.run(policy, tr, capacity_bytes=4 * GIB, seed=0)
+    tr = workloads.zipf_multimodal(1_000_000, 1.1, seed=0)
+    run = lambda: simulate_lib.run(policy, tr, capacity_bytes=4 * GIB, seed=0)
     m1, first = _timed(run)
     m2, second = _timed(run)
     assert m1 == m2
@@ -47,15 +47,16 @@ def million(policy: str) -> dict:
 
 def sixty_four(policy: str, n: int, repeats: int) -> dict:
     cells = [(a, g, s) for a in (0.8, 1.0, 1.2, 1.4) for g in (1, 2, 4, 8) for s in (0, 1, 2, 3)]
-    traces = {(a, s): T.zipf_multimodal(n, a, seed=s) for a, _, s in cells}
+    traces = {(a, s): workloads.zipf_multimodal(n, a, seed=s) for a, _, s in cells}
     trs = [traces[(a, s)] for a, _, s in cells]
     caps = [g * GIB for _, g, _ in cells]
     seeds = list(range(len(cells)))
-    batch = lambda: S.run_batch(policy, trs, capacities_bytes=caps, seeds=seeds)
+    batch = lambda: simulate_lib.run_batch(policy, trs, capacities_bytes=caps, seeds=seeds)
     seq = lambda: [
-        S.run(policy, t, capacity_bytes=c, seed=s) for t, c, s in zip(trs, caps, seeds, strict=True)
+        simulate_lib.run(policy, t, capacity_bytes=c, seed=s)
+        for t, c, s in zip(trs, caps, seeds, strict=True)
     ]
-    S._runner.cache_clear()  # both "first" timings include their compilation
+    simulate_lib._runner.cache_clear()  # both "first" timings include their compilation
     b_out, batch_first = _timed(batch)
     s_out, seq_first = _timed(seq)
     batch_s, seq_s = [], []

@@ -13,8 +13,8 @@ import yaml
 from jaxkv import checkpoint as checkpoint_lib
 from jaxkv.checkpoint import CheckpointError, TrainCheckpoints, restore, save
 from jaxkv.cli import train as train_cli
-from jaxkv.kvlearn.checkpoint import load_prp, save_prp
-from jaxkv.kvlearn.prp import PRPConfig, init_prp
+from jaxkv.kvlearn.core.checkpoint import load_prp, save_prp
+from jaxkv.kvlearn.core.prp import PRPConfig, init_prp
 from jaxkv.policies import get_policy
 from jaxkv.policies.learned import init_mlp, load_policy, save_policy, shipped_checkpoints
 from jaxkv.rl import loop

@@ -5,21 +5,21 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxkv.kvlearn import atc as A
+from jaxkv.kvlearn.core import atc as atc_lib
 
-CFG = A.ATCConfig()
+CFG = atc_lib.ATCConfig()
 
 
 def _run(state, rhos, hit_rate=0.9):
     def step(s, rho):
-        s = A.update(s.replace(hit_rate=jnp.float32(hit_rate)), rho=rho, cfg=CFG)
+        s = atc_lib.update(s.replace(hit_rate=jnp.float32(hit_rate)), rho=rho, cfg=CFG)
         return s, s.theta
 
     return jax.lax.scan(step, state, jnp.asarray(rhos, jnp.float32))
 
 
 def test_theta_rises_under_pressure_and_saturates_at_clamp():
-    state, theta = _run(A.init_atc(CFG), np.ones(20_000))
+    state, theta = _run(atc_lib.init_atc(CFG), np.ones(20_000))
     theta = np.asarray(theta)
     assert np.all(np.diff(theta) >= 0) and theta[0] > CFG.theta0
     assert theta[-1] == pytest.approx(CFG.theta_max, abs=1e-3)
@@ -27,13 +27,13 @@ def test_theta_rises_under_pressure_and_saturates_at_clamp():
 
 
 def test_theta_falls_when_there_is_room():
-    _, theta = _run(A.init_atc(CFG), np.full(20_000, 0.3))
+    _, theta = _run(atc_lib.init_atc(CFG), np.full(20_000, 0.3))
     theta = np.asarray(theta)
     assert np.all(np.diff(theta) <= 0) and theta[-1] == pytest.approx(CFG.theta_min, abs=1e-3)
 
 
 def test_no_windup_after_long_saturation():
-    state, _ = _run(A.init_atc(CFG), np.ones(200_000))
+    state, _ = _run(atc_lib.init_atc(CFG), np.ones(200_000))
     _, theta = _run(state, np.zeros(10_000))
     theta = np.asarray(theta)
     assert theta[0] < CFG.theta_max  # reacts on the first step
@@ -44,7 +44,7 @@ def test_no_windup_after_long_saturation():
 
 
 def test_low_hit_rate_never_tightens():
-    _, theta = _run(A.init_atc(CFG), np.ones(5000), hit_rate=0.3)
+    _, theta = _run(atc_lib.init_atc(CFG), np.ones(5000), hit_rate=0.3)
     assert np.all(np.asarray(theta) <= CFG.theta0)
 
 
@@ -55,19 +55,19 @@ def test_closed_loop_regulates_pressure_to_target():
     live = jnp.ones(400, bool)
 
     def step(s, _):
-        rho = A.pressure(
-            density_C=density, kib_C=kib, live_C=live, theta=s.theta, capacity_kib=jnp.int32(4000)
+        rho = atc_lib.pressure(
+            density_Z=density, kib_Z=kib, live_Z=live, theta=s.theta, capacity_kib=jnp.int32(4000)
         )
-        s = A.update(s.replace(hit_rate=jnp.float32(0.9)), rho=rho, cfg=CFG)
+        s = atc_lib.update(s.replace(hit_rate=jnp.float32(0.9)), rho=rho, cfg=CFG)
         return s, rho
 
-    state, rho = jax.lax.scan(step, A.init_atc(CFG), None, length=30_000)
+    state, rho = jax.lax.scan(step, atc_lib.init_atc(CFG), None, length=30_000)
     assert float(rho[-1]) == pytest.approx(CFG.rho_star, abs=0.01)
     assert float(state.theta) == pytest.approx(1 - CFG.rho_star, abs=0.01)
 
 
 def test_config_validation():
     with pytest.raises(ValueError):
-        A.ATCConfig(rho_star=0.0)
+        atc_lib.ATCConfig(rho_star=0.0)
     with pytest.raises(ValueError):
-        A.ATCConfig(theta0=2.0)
+        atc_lib.ATCConfig(theta0=2.0)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from jaxkv.config import ModelConfig
-from jaxkv.kvlearn import cars as cars_lib
+from jaxkv.kvlearn.core import cars as cars_lib
 from jaxkv.kvlearn.cost import (
     GIB,
     MIB,

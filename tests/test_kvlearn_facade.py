@@ -1,8 +1,11 @@
 """The Python facade for a serving stack's coordinator path."""
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from jaxkv.kvlearn import Coordinator, KVLearnConfig
+from jaxkv.kvlearn.core import prp as prp_lib
 from jaxkv.kvlearn.cost import MIB
 
 
@@ -51,14 +54,11 @@ def test_coordinator_input_errors():
 
 
 def test_admit_without_now_uses_the_lookup_time():
-    import jax
-    import jax.numpy as jnp
-
-    from jaxkv.kvlearn import prp as P
-
     coord = Coordinator(KVLearnConfig(max_blocks=8, max_keys=16), capacity_bytes=1 << 30)
     assert not coord.lookup("img/a", tokens=576, modality="image")  # wall-clock time
     d = coord.admit("img/a", tokens=576, modality="image")
     # same time → same features as observed by the lookup → whitened to exactly zero
-    expected = float(jax.nn.sigmoid(P.logits(coord.state.prp.params, jnp.zeros(16), hidden=32)))
+    expected = float(
+        jax.nn.sigmoid(prp_lib.logits(coord.state.prp.params, jnp.zeros(16), hidden=32))
+    )
     assert d.p_hat == pytest.approx(expected, abs=1e-7)

@@ -10,17 +10,20 @@ import numpy as np
 import pytest
 
 from jaxkv import data as data_lib
-from jaxkv.kvlearn import cli_common, serving_cli
-from jaxkv.kvlearn import pool as P
-from jaxkv.kvlearn import serving as SV
-from jaxkv.kvlearn import simulate as S
-from jaxkv.kvlearn import traces as T
-from jaxkv.kvlearn.cli import eval_main, format_table, train_main
-from jaxkv.kvlearn.control import KVLearnConfig
+from jaxkv.cli import kvlearn as cli_lib
+from jaxkv.cli.kvlearn import eval_main, train_main
+from jaxkv.kvlearn import calibrate as calibrate_lib
+from jaxkv.kvlearn import report, workloads
+from jaxkv.kvlearn import traces as traces_lib
+from jaxkv.kvlearn.core import pool as pool_lib
+from jaxkv.kvlearn.core.control import KVLearnConfig
+from jaxkv.kvlearn.core.facade import Coordinator
 from jaxkv.kvlearn.cost import GIB, CostModel
-from jaxkv.kvlearn.facade import Coordinator
+from jaxkv.kvlearn.serving import metrics as serving_metrics
+from jaxkv.kvlearn.sim import simulate as simulate_lib
 
 ROOT = Path(__file__).resolve().parents[1]
+SERVE_FLAGS = cli_lib.SERVE_FLAGS
 LLAMA_BPT = CostModel.llama3_8b_a100().shape.bytes_per_token  # 128 KiB per token
 
 
@@ -37,13 +40,13 @@ def _mooncake_file(path, rows):
 @pytest.mark.parametrize("bpt", [LLAMA_BPT, 46_080, 327_680, 1000, 1])
 def test_block_kib_is_exact_or_saturates_for_every_int32_token_count(bpt):
     tokens = [1, 7, 1023, 1024, 16_383, 16_384, 20_000, 2**24 - 1, 2**24, 20_000_000, 2**31 - 1]
-    want = [min(-(-t * bpt // 1024), P.MAX_KIB) for t in tokens]
-    got_jax = P.block_kib(jnp.asarray(tokens, jnp.int32), bytes_per_token=bpt)
+    want = [min(-(-t * bpt // 1024), pool_lib.MAX_KIB) for t in tokens]
+    got_jax = pool_lib.block_kib(jnp.asarray(tokens, jnp.int32), bytes_per_token=bpt)
     assert got_jax.dtype == jnp.int32
     for t, w, g in zip(tokens, want, np.asarray(got_jax).tolist(), strict=True):
         # exact wherever the true size could fit in a pool; saturated (≥ any pool) otherwise
-        assert g == w or (g == P.MAX_KIB and w > P.MAX_CAPACITY_KIB), (t, w, g)
-    got_np = P.block_kib(np.asarray(tokens, np.int64), bytes_per_token=bpt)
+        assert g == w or (g == pool_lib.MAX_KIB and w > pool_lib.MAX_CAPACITY_KIB), (t, w, g)
+    got_np = pool_lib.block_kib(np.asarray(tokens, np.int64), bytes_per_token=bpt)
     assert got_np.tolist() == want
 
 
@@ -51,9 +54,11 @@ def test_core_simulator_never_admits_a_block_larger_than_the_pool():
     # 2^24 tokens of LLaMA-3-8B are 2 TiB (2^31 KiB); 20M tokens are the 2.4 TiB of the report
     tokens = np.array([100, 2**24, 20_000_000], np.int32)
     key = np.arange(30, dtype=np.int32) % 3
-    tr = T.Trace(key, tokens[key], np.zeros(30, np.int32), np.arange(30) * 0.05, ("s", "b", "c"))
+    tr = traces_lib.Trace(
+        key, tokens[key], np.zeros(30, np.int32), np.arange(30) * 0.05, ("s", "b", "c")
+    )
     for policy in ("lru", "lfu", "belady"):
-        r = S.run(policy, tr, capacity_bytes=4 * GIB)
+        r = simulate_lib.run(policy, tr, capacity_bytes=4 * GIB)
         assert r["admits"] == 1, policy  # only the small block
         assert r["hit_rate"] == pytest.approx(9 / 30)
         moved = (10 * (100 + 2**24 + 20_000_000) + 100) * LLAMA_BPT  # requests + one admit
@@ -75,23 +80,24 @@ def test_kvlearn_never_admits_a_block_larger_than_the_pool():
 
 
 def test_pool_at_its_largest_capacity_keeps_exact_accounting():
-    cap = P.MAX_CAPACITY_KIB  # used + kib of the second block wraps int32; the need does not
-    pool = P.init_pool(max_blocks=4, max_keys=4, capacity_kib=cap)
-    pool, ok, _ = P.admit(pool, key=0, kib=1500 * 2**20, rank=0.0, value=0.0)
+    cap = pool_lib.MAX_CAPACITY_KIB  # used + kib of the second block wraps int32; the need does not
+    pool = pool_lib.init_pool(max_blocks=4, max_keys=4, capacity_kib=cap)
+    pool, ok, _ = pool_lib.admit(pool, key=0, kib=1500 * 2**20, rank=0.0, value=0.0)
     assert bool(ok)
-    pool, ok, victims = P.admit(pool, key=1, kib=1000 * 2**20, rank=1.0, value=0.0)
-    assert bool(ok) and np.asarray(victims.key_V)[0] == 0
+    pool, ok, victims = pool_lib.admit(pool, key=1, kib=1000 * 2**20, rank=1.0, value=0.0)
+    assert bool(ok) and np.asarray(victims.key_E)[0] == 0
     assert 0 <= int(pool.used_kib) <= cap and int(pool.used_kib) == 1000 * 2**20
 
 
 def test_capacities_beyond_the_int32_accounting_are_refused(capsys):
-    tr = T.zipf_multimodal(50, 1.1, seed=0)
+    tr = workloads.zipf_multimodal(50, 1.1, seed=0)
     with pytest.raises(ValueError, match="2047 GiB"):
-        S.run("lru", tr, capacity_bytes=3 * 2**40)
+        simulate_lib.run("lru", tr, capacity_bytes=3 * 2**40)
     with pytest.raises(ValueError, match="2047 GiB"):
         Coordinator(KVLearnConfig(), capacity_bytes=3 * 2**40)
-    assert eval_main(["100", "1.1", "5000"]) == 2
-    assert "pool size must be ≤ 2047 GiB" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        eval_main(["100", "1.1", "5000"])
+    assert "argument pool_gib: pool size must be ≤ 2047 GiB" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         eval_main(["100", "--sweep", "--pools", "1,5000"])
     assert "argument --pools: pool size must be ≤ 2047 GiB, got 5000" in capsys.readouterr().err
@@ -103,8 +109,10 @@ def test_token_counts_beyond_int32_are_refused_where_they_enter(tmp_path):
     path.write_text(
         json.dumps(good) + "\n" + json.dumps(good | {"key": "b", "tokens": 2**31}) + "\n"
     )
-    with pytest.raises(T.TraceError, match=r"big.jsonl:2: 'tokens' must be at most 2,147,483,647"):
-        T.load_jsonl(path)
+    with pytest.raises(
+        traces_lib.TraceError, match=r"big.jsonl:2: 'tokens' must be at most 2,147,483,647"
+    ):
+        traces_lib.load_jsonl(path)
     coord = Coordinator(KVLearnConfig(max_blocks=2, max_keys=2), capacity_bytes=GIB)
     with pytest.raises(ValueError, match="tokens must be in 1..2,147,483,647"):
         coord.lookup("a", tokens=2**31)
@@ -135,17 +143,15 @@ def test_every_mooncake_path_validates_the_same_way(tmp_path, capsys, second, me
     path = tmp_path / "mc.jsonl"
     path.write_text(json.dumps(FIRST) + "\n" + json.dumps(second) + "\n")
     pattern = "mc.jsonl:2: " + re.escape(message)
-    for load in (T.load_mooncake, T.load_mooncake_trace, SV.load_mooncake_trace):
-        with pytest.raises(T.TraceError, match=pattern):
+    for load in (traces_lib.load_mooncake, traces_lib.load_mooncake_trace):
+        with pytest.raises(traces_lib.TraceError, match=pattern):
             load(path)
-    for flag in ("--mooncake", "--trace"):
-        assert eval_main([flag, str(path), "--pool-gib", "1"]) == 2
+    for argv in (
+        ["sim", "--mooncake", str(path)],
+        ["serve", "--trace", str(path), "--pool-gib", "1"],
+    ):
+        assert eval_main(argv) == 2
         assert re.search(pattern, capsys.readouterr().err)
-
-
-def test_there_is_one_mooncake_loader():
-    assert SV.load_mooncake_trace is T.load_mooncake_trace
-    assert SV.MooncakeTrace is T.MooncakeTrace and SV.is_mooncake_file is T.is_mooncake_file
 
 
 def test_mooncake_blocks_keep_the_largest_length_and_the_file_hashes(tmp_path):
@@ -153,7 +159,7 @@ def test_mooncake_blocks_keep_the_largest_length_and_the_file_hashes(tmp_path):
         {"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [7, 99]},
         {"timestamp": 1, "input_length": 1024, "output_length": 1, "hash_ids": [7, 99]},
     ]
-    tr = T.load_mooncake(_mooncake_file(tmp_path / "mc.jsonl", rows))
+    tr = traces_lib.load_mooncake(_mooncake_file(tmp_path / "mc.jsonl", rows))
     assert tr.names == ("mc/7", "mc/99")
     np.testing.assert_array_equal(tr.tokens, [512, 512, 512, 512])
     np.testing.assert_allclose(tr.time_s, [0, 0, 1e-3, 1e-3])
@@ -161,9 +167,9 @@ def test_mooncake_blocks_keep_the_largest_length_and_the_file_hashes(tmp_path):
 
 # ---- 3: outputs checked before any work -----------------------------------------------------
 def test_core_outputs_are_checked_before_the_workload_is_built(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(T, "zipf_multimodal", _boom)
-    monkeypatch.setattr(S, "compare", _boom)
-    monkeypatch.setattr(S, "sweep", _boom)
+    monkeypatch.setattr(workloads, "zipf_multimodal", _boom)
+    monkeypatch.setattr(simulate_lib, "compare", _boom)
+    monkeypatch.setattr(simulate_lib, "sweep", _boom)
     assert eval_main(["100", "--json", str(tmp_path)]) == 2
     assert f"--json {tmp_path}: is a directory" in capsys.readouterr().err
     blocker = tmp_path / "file"
@@ -177,19 +183,17 @@ def test_core_outputs_are_checked_before_the_workload_is_built(tmp_path, capsys,
 
 def test_serving_outputs_are_checked_before_the_trace_is_read(tmp_path, capsys, monkeypatch):
     path = _mooncake_file(tmp_path / "mc.jsonl", [FIRST])
-    monkeypatch.setattr(serving_cli, "load_mooncake_trace", _boom)
-    monkeypatch.setattr(SV, "compare", _boom)
-    argv = ["--trace", str(path), "--pool-gib", "1", "--json", str(tmp_path)]
+    monkeypatch.setattr(traces_lib, "load_mooncake_trace", _boom)
+    monkeypatch.setattr(serving_metrics, "compare", _boom)
+    argv = ["serve", "--trace", str(path), "--pool-gib", "1", "--json", str(tmp_path)]
     assert eval_main(argv) == 2
     assert "is a directory" in capsys.readouterr().err
-    assert eval_main(["--trace", str(path), "--sweep", "--plot", str(tmp_path)]) == 2
+    assert eval_main(["serve", "--trace", str(path), "--sweep", "--plot", str(tmp_path)]) == 2
     assert "--plot" in capsys.readouterr().err
 
 
 def test_train_checks_out_before_collecting_labels(tmp_path, capsys, monkeypatch):
-    from jaxkv.kvlearn import pretrain
-
-    monkeypatch.setattr(pretrain, "collect", _boom)
+    monkeypatch.setattr(simulate_lib, "collect_labels", _boom)
     (tmp_path / "file").write_text("")
     assert train_main(["--n-requests", "10", "--out", str(tmp_path / "file")]) == 2
     assert "exists and is not a directory" in capsys.readouterr().err
@@ -200,12 +204,10 @@ def test_train_checks_out_before_collecting_labels(tmp_path, capsys, monkeypatch
 
 
 def test_other_kvlearn_commands_check_outputs_first(tmp_path, capsys, monkeypatch):
-    from jaxkv.kvlearn import calibrate, mmsession
-
-    monkeypatch.setattr(mmsession, "generate", _boom)
-    assert mmsession.main(["--sessions", "3", "--out", str(tmp_path)]) == 2
+    monkeypatch.setattr(workloads, "mm_session", _boom)
+    assert eval_main(["workload", "mmsession", "--sessions", "3", "--out", str(tmp_path)]) == 2
     assert "is a directory" in capsys.readouterr().err
-    monkeypatch.setattr(calibrate, "calibrate", _boom)
+    monkeypatch.setattr(calibrate_lib, "calibrate", _boom)
     assert eval_main(["calibrate", "--model", "tiny", "--json", str(tmp_path)]) == 2
     assert "is a directory" in capsys.readouterr().err
 
@@ -214,7 +216,7 @@ def test_other_kvlearn_commands_check_outputs_first(tmp_path, capsys, monkeypatc
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--trace", "T", "--pool-gib", "-1"], "argument --pool-gib: must be > 0, got -1"),
+        (["--pool-gib", "-1"], "argument --pool-gib: must be > 0, got -1"),
         (["--pool-frac", "-0.1"], "argument --pool-frac: must be ≥ 0, got -0.1"),
         (["--pool-frac", "1.5"], "argument --pool-frac: must be ≤ 1, got 1.5"),
         (["--prefill-nodes", "0"], "argument --prefill-nodes: must be ≥ 1, got 0"),
@@ -242,6 +244,8 @@ def test_other_kvlearn_commands_check_outputs_first(tmp_path, capsys, monkeypatc
     ],
 )
 def test_eval_arguments_out_of_range_name_flag_bound_and_value(argv, message, capsys):
+    if argv[0] in SERVE_FLAGS:
+        argv = ["serve", "--trace", "T", *argv]
     with pytest.raises(SystemExit) as e:
         eval_main(argv)
     assert e.value.code == 2
@@ -264,15 +268,13 @@ def test_train_arguments_out_of_range(tmp_path, argv, message, capsys):
 
 
 def test_mmsession_and_calibrate_arguments_out_of_range(tmp_path, capsys):
-    from jaxkv.kvlearn import mmsession
-
     for argv, message in [
         (["--sessions", "0"], "argument --sessions: must be ≥ 1, got 0"),
         (["--rate", "0"], "argument --rate: must be > 0, got 0"),
         (["--seed", "-2"], "argument --seed: must be ≥ 0, got -2"),
     ]:
         with pytest.raises(SystemExit):
-            mmsession.main(argv + ["--out", str(tmp_path / "mm.jsonl")])
+            eval_main(["workload", "mmsession", *argv, "--out", str(tmp_path / "mm.jsonl")])
         assert message in capsys.readouterr().err
     for argv, message in [
         (["--repeats", "0"], "argument --repeats: must be ≥ 1, got 0"),
@@ -284,32 +286,49 @@ def test_mmsession_and_calibrate_arguments_out_of_range(tmp_path, capsys):
 
 
 def test_mode_rules_are_checked_before_the_trace_is_read(tmp_path, capsys, monkeypatch):
-    path = _mooncake_file(tmp_path / "mc.jsonl", [FIRST])
-    monkeypatch.setattr(serving_cli, "load_mooncake_trace", _boom)
-    monkeypatch.setattr(T, "zipf_multimodal", _boom)
-    cases = [
-        (["--trace", str(path)], "serving mode needs --pool-gib X (or --pool-frac F)"),
-        (["--trace", str(path), "--pool-gib", "1", "--pool-frac", "0.5"], "at most one of"),
-        (["--trace", str(path), "1", "1", "2", "--pool-gib", "1"], "give the pool size once"),
-        (["--trace", str(path), "--pool-gib", "1", "--policies", "random_lru"], "not serving"),
-        (["--trace", str(path), "--pool-gib", "1", "--prp-checkpoint", "x"], "core simulator"),
-        (["--trace", str(path), "--mooncake", str(path)], "at most one of --trace and --mooncake"),
-        (["100", "1.1", "2", "--pool-gib", "1"], "give the pool size once"),
-        (["100", "--pool-frac", "0.5"], "--pool-frac applies to Mooncake traces"),
-        (["100", "--rate-search"], "--rate-search applies to Mooncake traces"),
-        (["100", "--policies", "mooncake"], "need a Mooncake trace"),
+    path = str(_mooncake_file(tmp_path / "mc.jsonl", [FIRST]))
+    monkeypatch.setattr(traces_lib, "load_mooncake_trace", _boom)
+    monkeypatch.setattr(traces_lib, "load_mooncake", _boom)
+    monkeypatch.setattr(workloads, "zipf_multimodal", _boom)
+    returns = [  # rules on flag combinations: "<prog>: error: ...", exit status 2
+        (["serve", "--trace", path], "serve needs the pool size: --pool-gib G or --pool-frac F"),
+        (["serve", "--trace", path, "--sweep", "--pool-frac", "0.1"], "--sweep takes pool sizes"),
+        (["serve", "--trace", path, "--sweep", "--rate-search"], "drop --rate-search"),
+        (["sim", "--mooncake", path, "--sweep"], "--sweep runs the Zipf workload"),
     ]
-    for argv, message in cases:
+    for argv, message in returns:
         assert eval_main(argv) == 2, argv
+        assert message in capsys.readouterr().err, argv
+    exits = [  # argparse: usage and "error: ...", exit status 2
+        (["serve", "--trace", path, "--pool-gib", "1", "--pool-frac", "0.5"], "not allowed with"),
+        (["serve", "--trace", path, "1", "2", "--pool-gib", "1"], "unrecognized arguments: 2"),
+        (
+            ["serve", "--trace", path, "--pool-gib", "1", "--policies", "random_lru"],
+            "of `kvlearn sim`",
+        ),
+        (
+            ["serve", "--trace", path, "--pool-gib", "1", "--prp-checkpoint", "x"],
+            "of `kvlearn sim`",
+        ),
+        (["sim", "--trace", path, "--mooncake", path], "not allowed with argument --trace"),
+        (["100", "1.1", "2", "--pool-gib", "1"], "--pool-gib: flags of `kvlearn serve`"),
+        (["100", "--pool-frac", "0.5"], "--pool-frac: flags of `kvlearn serve`"),
+        (["100", "--rate-search"], "--rate-search: flags of `kvlearn serve`"),
+        (["100", "--policies", "mooncake"], "(mooncake: policies of `kvlearn serve`)"),
+    ]
+    for argv, message in exits:
+        with pytest.raises(SystemExit) as e:
+            eval_main(argv)
+        assert e.value.code == 2, argv
         assert message in capsys.readouterr().err, argv
 
 
 # ---- 5: progress on stderr ------------------------------------------------------------------
 def test_large_traces_show_progress_on_stderr_only(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(cli_common, "PROGRESS_MIN_REQUESTS", 100)
-    monkeypatch.setattr(cli_common, "PROGRESS_MIN_BYTES", 1000)
+    monkeypatch.setattr(cli_lib, "PROGRESS_MIN_REQUESTS", 100)
+    monkeypatch.setattr(cli_lib, "PROGRESS_MIN_BYTES", 1000)
     trace = tmp_path / "t.jsonl"
-    T.save_jsonl(T.zipf_multimodal(300, 1.1, seed=0), trace)
+    traces_lib.save_jsonl(workloads.zipf_multimodal(300, 1.1, seed=0), trace)
     out = tmp_path / "r.json"
     assert eval_main(["--trace", str(trace), "--policies", "lru", "--json", str(out)]) == 0
     text = capsys.readouterr()
@@ -322,7 +341,8 @@ def test_large_traces_show_progress_on_stderr_only(tmp_path, capsys, monkeypatch
         for i in range(60)
     ]
     path = _mooncake_file(tmp_path / "mc.jsonl", rows)
-    assert eval_main(["--trace", str(path), "--pool-gib", "1", "--policies", "lru,mooncake"]) == 0
+    argv = ["serve", "--trace", str(path), "--pool-gib", "1", "--policies", "lru,mooncake"]
+    assert eval_main(argv) == 0
     text = capsys.readouterr()
     assert "replay: 100%" in text.err and "120/120" in text.err
     assert "%|" not in text.out
@@ -330,10 +350,10 @@ def test_large_traces_show_progress_on_stderr_only(tmp_path, capsys, monkeypatch
 
 def test_small_work_shows_no_progress_bar(tmp_path, capsys):
     trace = tmp_path / "t.jsonl"
-    T.save_jsonl(T.zipf_multimodal(300, 1.1, seed=0), trace)
+    traces_lib.save_jsonl(workloads.zipf_multimodal(300, 1.1, seed=0), trace)
     assert eval_main(["--trace", str(trace), "--policies", "lru"]) == 0
     assert capsys.readouterr().err == ""
-    assert cli_common.PROGRESS_MIN_REQUESTS == 100_000
+    assert cli_lib.PROGRESS_MIN_REQUESTS == 100_000
 
 
 # ---- 6: tables widen for wide values --------------------------------------------------------
@@ -372,9 +392,9 @@ def test_core_table_stays_aligned_with_huge_numbers():
         "evictions": 10**11,
         "discards": 10**10,
     }
-    _assert_aligned(format_table([normal, huge]), 10)
+    _assert_aligned(report.sim_table([normal, huge]), 10)
     # ordinary values keep the README layout
-    assert format_table([normal]).split("\n")[2] == (
+    assert report.sim_table([normal]).split("\n")[2] == (
         "lru                 4.234    1.01   22.49    78.8       63.9     144.3     637       561        0"
     )
 
@@ -403,9 +423,9 @@ def test_serving_table_stays_aligned_with_huge_numbers():
         "e2e_ms_mean": 1e15,
         "wall_s": 123456.0,
     }
-    table = serving_cli.format_table([row, huge])
+    table = report.serve_table([row, huge])
     _assert_aligned(table, 12)
-    assert serving_cli.format_table([row]).split("\n")[2] == (
+    assert report.serve_table([row]).split("\n")[2] == (
         "mooncake           2821.9     240.7    25466.0      41.7      42.5     14626       0.0"
         "    3.876        -      6550   0.52"
     )
@@ -413,10 +433,10 @@ def test_serving_table_stays_aligned_with_huge_numbers():
 
 # ---- 7: the shipped example trace -----------------------------------------------------------
 def test_example_names_the_shipped_mooncake_trace(tmp_path, capsys):
-    assert T.trace_path("example") == data_lib.data_file(data_lib.MOONCAKE_EXAMPLE)
-    assert T.trace_path("other.jsonl") == Path("other.jsonl")
+    assert traces_lib.trace_path("example") == data_lib.data_file(data_lib.MOONCAKE_EXAMPLE)
+    assert traces_lib.trace_path("other.jsonl") == Path("other.jsonl")
     out = tmp_path / "r.json"
-    argv = ["40", "--trace", "example", "--pool-frac", "0.1", "--policies", "mooncake"]
+    argv = ["serve", "40", "--trace", "example", "--pool-frac", "0.1", "--policies", "mooncake"]
     assert eval_main(argv + ["--json", str(out)]) == 0
     assert "trace=example  requests=40  distinct_blocks=43924" in capsys.readouterr().out
     assert json.loads(out.read_text())["config"]["trace"] == "example"

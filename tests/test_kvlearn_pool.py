@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxkv.kvlearn import pool as P
+from jaxkv.kvlearn.core import pool as pool_lib
 
 # ---- plain-Python reference ----------------------------------------------------------------
 
@@ -76,8 +76,8 @@ class RefPool:
 
 
 def jax_snapshot(pool):
-    key = np.asarray(pool.key_C)
-    kib, rank, value = (np.asarray(a) for a in (pool.kib_C, pool.rank_C, pool.value_C))
+    key = np.asarray(pool.key_Z)
+    kib, rank, value = (np.asarray(a) for a in (pool.kib_Z, pool.rank_Z, pool.value_Z))
     return {
         int(s): (int(key[s]), int(kib[s]), float(rank[s]), float(value[s]))
         for s in np.flatnonzero(key >= 0)
@@ -89,59 +89,59 @@ def jax_snapshot(pool):
 
 def _fill(pool, blocks):
     for key, kib, rank, value in blocks:
-        pool, ok, _ = P.admit(pool, key=key, kib=kib, rank=rank, value=value)
+        pool, ok, _ = pool_lib.admit(pool, key=key, kib=kib, rank=rank, value=value)
         assert bool(ok)
     return pool
 
 
 def test_eviction_takes_lowest_value_per_byte_first():
-    pool = P.init_pool(max_blocks=8, max_keys=16, capacity_kib=1000)
+    pool = pool_lib.init_pool(max_blocks=8, max_keys=16, capacity_kib=1000)
     # rank = value per byte; sizes differ so rank order != value order
     pool = _fill(
         pool, [(0, 300, 0.5, 150.0), (1, 200, 0.1, 20.0), (2, 300, 0.3, 90.0), (3, 200, 0.9, 180.0)]
     )
-    pool, ok, victims = P.admit(pool, key=4, kib=400, rank=0.8, value=1000.0, rule="value")
+    pool, ok, victims = pool_lib.admit(pool, key=4, kib=400, rank=0.8, value=1000.0, rule="value")
     assert bool(ok)
     # keys 1 (ν 0.1) then 2 (ν 0.3) are evicted, in that order; 0 (ν 0.5) has a higher value
     # (150) than 2 (90) but a lower one per byte than 3, and stays: ranking is per byte
-    assert [int(k) for k in victims.key_V if k >= 0] == [1, 2]
-    resident = sorted(int(k) for k in np.asarray(pool.key_C) if k >= 0)
+    assert [int(k) for k in victims.key_E if k >= 0] == [1, 2]
+    resident = sorted(int(k) for k in np.asarray(pool.key_Z) if k >= 0)
     assert resident == [0, 3, 4]
     assert int(pool.used_kib) == 900
 
 
 def test_value_rule_never_destroys_more_value_than_it_adds():
-    pool = P.init_pool(max_blocks=8, max_keys=16, capacity_kib=600)
+    pool = pool_lib.init_pool(max_blocks=8, max_keys=16, capacity_kib=600)
     pool = _fill(pool, [(0, 300, 0.2, 60.0), (1, 300, 0.3, 90.0)])
     before = jax_snapshot(pool)
     # needs both victims (150 ms of value) but brings 149 ms: refused, nothing changes
-    pool, ok, victims = P.admit(pool, key=2, kib=500, rank=0.9, value=149.0, rule="value")
+    pool, ok, victims = pool_lib.admit(pool, key=2, kib=500, rank=0.9, value=149.0, rule="value")
     assert not bool(ok) and jax_snapshot(pool) == before
-    assert not np.any(np.asarray(victims.valid_V))
-    pool, ok, victims = P.admit(pool, key=2, kib=500, rank=0.9, value=151.0, rule="value")
+    assert not np.any(np.asarray(victims.valid_E))
+    pool, ok, victims = pool_lib.admit(pool, key=2, kib=500, rank=0.9, value=151.0, rule="value")
     assert bool(ok)
-    assert sorted(int(k) for k in np.asarray(pool.key_C) if k >= 0) == [2]
+    assert sorted(int(k) for k in np.asarray(pool.key_Z) if k >= 0) == [2]
 
 
 def test_capacity_and_oversized_blocks():
-    pool = P.init_pool(max_blocks=4, max_keys=8, capacity_kib=100)
-    pool, ok, _ = P.admit(pool, key=0, kib=101, rank=1.0, value=1.0)
+    pool = pool_lib.init_pool(max_blocks=4, max_keys=8, capacity_kib=100)
+    pool, ok, _ = pool_lib.admit(pool, key=0, kib=101, rank=1.0, value=1.0)
     assert not bool(ok) and int(pool.used_kib) == 0
     for k in range(6):  # slot limit (4) binds before bytes (4 × 10 < 100)
-        pool, ok, _ = P.admit(pool, key=k, kib=10, rank=float(k), value=1.0)
+        pool, ok, _ = pool_lib.admit(pool, key=k, kib=10, rank=float(k), value=1.0)
         assert bool(ok)
-    assert int(jnp.sum(P.resident(pool))) == 4 and int(pool.used_kib) == 40
-    assert sorted(int(k) for k in np.asarray(pool.key_C) if k >= 0) == [2, 3, 4, 5]
+    assert int(jnp.sum(pool_lib.resident(pool))) == 4 and int(pool.used_kib) == 40
+    assert sorted(int(k) for k in np.asarray(pool.key_Z) if k >= 0) == [2, 3, 4, 5]
 
 
 def test_init_rejects_bad_sizes():
     with pytest.raises(ValueError, match="capacity"):
-        P.init_pool(max_blocks=4, max_keys=4, capacity_kib=-1)
+        pool_lib.init_pool(max_blocks=4, max_keys=4, capacity_kib=-1)
     with pytest.raises(ValueError, match="positive"):
-        P.init_pool(max_blocks=0, max_keys=4, capacity_kib=10)
+        pool_lib.init_pool(max_blocks=0, max_keys=4, capacity_kib=10)
     with pytest.raises(ValueError, match="rule"):
-        P.admit(
-            P.init_pool(max_blocks=2, max_keys=2, capacity_kib=1),
+        pool_lib.admit(
+            pool_lib.init_pool(max_blocks=2, max_keys=2, capacity_kib=1),
             key=0,
             kib=1,
             rank=0.0,
@@ -173,14 +173,14 @@ def _ops(seed):
 
 def _step(pool, x):
     op, key, kib, rank, value, allowed = x
-    slot = P.lookup(pool, key)
+    slot = pool_lib.lookup(pool, key)
 
     def admit(rule):
         def f(p):
-            p, ok, v = P.admit(
+            p, ok, v = pool_lib.admit(
                 p, key=key, kib=kib, rank=rank, value=value, allowed=allowed, rule=rule
             )
-            return p, ok, jnp.sum(v.valid_V, dtype=jnp.int32)
+            return p, ok, jnp.sum(v.valid_E, dtype=jnp.int32)
 
         return f
 
@@ -192,8 +192,10 @@ def _step(pool, x):
         admit("value"),
         admit("all"),
         admit("rank"),
-        other(lambda p: P.set_entry(p, slot=P.lookup(p, key), rank=rank, value=value)),
-        other(lambda p: P.remove(p, key)),
+        other(
+            lambda p: pool_lib.set_entry(p, slot=pool_lib.lookup(p, key), rank=rank, value=value)
+        ),
+        other(lambda p: pool_lib.remove(p, key)),
     ]
     pool, ok, n_ev = jax.lax.switch(op, branches, pool)
     return pool, (slot, ok, n_ev)
@@ -207,7 +209,7 @@ def _run_chunk(pool, xs):
 def test_property_1e5_random_operations_match_reference():
     ops = _ops(seed=1234)
     ref = RefPool(MAX_BLOCKS, CAPACITY, MAX_VICTIMS)
-    pool = P.init_pool(
+    pool = pool_lib.init_pool(
         max_blocks=MAX_BLOCKS, max_keys=MAX_KEYS, capacity_kib=CAPACITY, max_victims=MAX_VICTIMS
     )
     rule = {ADMIT_VALUE: "value", ADMIT_ALL: "all", ADMIT_RANK: "rank"}
@@ -234,13 +236,13 @@ def test_property_1e5_random_operations_match_reference():
         # checkpoint: full state, capacity and internal consistency
         assert jax_snapshot(pool) == ref.snapshot()
         assert int(pool.used_kib) == ref.used <= CAPACITY
-        keys = np.asarray(pool.key_C)
-        slot_k = np.asarray(pool.slot_K)
+        keys = np.asarray(pool.key_Z)
+        slot_k = np.asarray(pool.slot_P)
         assert all(slot_k[keys[s]] == s for s in np.flatnonzero(keys >= 0))
         assert np.sum(slot_k >= 0) == np.sum(keys >= 0) == MAX_BLOCKS - int(pool.n_free)
-        live_rank = np.where(keys >= 0, np.asarray(pool.rank_C), np.inf)
+        live_rank = np.where(keys >= 0, np.asarray(pool.rank_Z), np.inf)
         np.testing.assert_array_equal(
-            np.asarray(pool.group_min_G), live_rank.reshape(pool.group_min_G.shape[0], -1).min(1)
+            np.asarray(pool.group_min_Y), live_rank.reshape(pool.group_min_Y.shape[0], -1).min(1)
         )
     # the sequence exercised every path
     assert n_admitted > 10_000 and n_refused > 5_000 and n_evicted > 5_000

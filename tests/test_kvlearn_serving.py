@@ -6,10 +6,13 @@ import json
 import numpy as np
 import pytest
 
-from jaxkv.kvlearn import serving as SV
-from jaxkv.kvlearn.cli import eval_main
+from jaxkv.cli.kvlearn import eval_main
+from jaxkv.kvlearn import traces as traces_lib
+from jaxkv.kvlearn.calibrate import cost_model_from
 from jaxkv.kvlearn.cost import CostModel
-from jaxkv.kvlearn.prefix import ROOT, PrefixCache
+from jaxkv.kvlearn.serving import engine, metrics
+from jaxkv.kvlearn.serving.policies import BLOCK_POLICIES
+from jaxkv.kvlearn.serving.prefix import ROOT, PrefixCache
 from jaxkv.kvlearn.traces import TraceError
 
 COST = CostModel.llama3_8b_a100()
@@ -30,12 +33,12 @@ def _trace(tmp_path, hashes, *, gap_ms=1_000_000, last_tokens=BT):
     """Requests 1000 s apart (every admission lands before the next lookup), full blocks except
     the last, which has ``last_tokens``."""
     reqs = [(i * gap_ms, BT * (len(h) - 1) + last_tokens, h) for i, h in enumerate(hashes)]
-    return SV.load_mooncake_trace(_write(tmp_path / "t.jsonl", reqs))
+    return traces_lib.load_mooncake_trace(_write(tmp_path / "t.jsonl", reqs))
 
 
 def _hits(tr, policy, blocks, **kw):
-    cfg = SV.ServingConfig(pool_blocks=blocks, prefill_nodes=1, **kw)
-    return SV.simulate(tr, policy, cfg=cfg, cost=COST)
+    cfg = engine.ServingConfig(pool_blocks=blocks, prefill_nodes=1, **kw)
+    return engine.simulate(tr, policy, cfg=cfg, cost=COST)
 
 
 # ---- prefix hits ----------------------------------------------------------------------------
@@ -85,9 +88,9 @@ def test_prefix_cache_match_and_leaf_eviction_directly():
 
 def test_transfer_and_admission_accounting(tmp_path):
     tr = _trace(tmp_path, [[1, 2], [1, 2, 3]], last_tokens=BT)
-    cfg = SV.ServingConfig(pool_blocks=10, prefill_nodes=1)
-    rec = SV.simulate(tr, "mooncake", cfg=cfg, cost=COST)
-    s = SV.summarize("mooncake", rec, cost=COST, cfg=cfg)
+    cfg = engine.ServingConfig(pool_blocks=10, prefill_nodes=1)
+    rec = engine.simulate(tr, "mooncake", cfg=cfg, cost=COST)
+    s = metrics.summarize("mooncake", rec, cost=COST, cfg=cfg)
     # moved tokens: pool→P 1024 (request 2's hit); P→D 1024 + 1536; P→pool 1024 + 512
     moved = 1024 + 1024 + 1536 + 1024 + 512
     assert s["transfer_gib"] == pytest.approx(COST.footprint_bytes(moved) / 2**30)
@@ -111,7 +114,7 @@ def test_belady_bypasses_blocks_never_used_again(tmp_path):
 # ---- queueing -------------------------------------------------------------------------------
 def _uniform_trace(times_s, tokens):
     n = len(times_s)
-    return SV.MooncakeTrace(
+    return traces_lib.MooncakeTrace(
         time_s=np.asarray(times_s, np.float64),
         input_len=np.full(n, tokens, np.int64),
         output_len=np.ones(n, np.int64),
@@ -127,7 +130,7 @@ def test_one_node_deterministic_arrivals(ratio):
     a_s = ratio * s_ms / 1e3  # inter-arrival time
     n = 50
     tr = _uniform_trace(np.arange(n) * a_s, tokens)
-    rec = SV.simulate(tr, "no_cache", cfg=SV.ServingConfig(pool_blocks=0), cost=COST)
+    rec = engine.simulate(tr, "no_cache", cfg=engine.ServingConfig(pool_blocks=0), cost=COST)
     expect = np.maximum(0.0, np.arange(n) * (s_ms - a_s * 1e3))  # linear backlog when a < s
     np.testing.assert_allclose(rec["wait_ms"], expect, rtol=1e-9, atol=1e-6)
     t_d = COST.transfer_ms(COST.footprint_bytes(tokens))
@@ -139,8 +142,11 @@ def test_md1_mean_wait_matches_pollaczek_khinchine():
     s = float(COST.recompute_ms(float(tokens))) / 1e3
     lam = rho / s
     times = np.cumsum(np.random.default_rng(0).exponential(1 / lam, n))
-    rec = SV.simulate(
-        _uniform_trace(times, tokens), "no_cache", cfg=SV.ServingConfig(pool_blocks=0), cost=COST
+    rec = engine.simulate(
+        _uniform_trace(times, tokens),
+        "no_cache",
+        cfg=engine.ServingConfig(pool_blocks=0),
+        cost=COST,
     )
     wq = lam * s * s / (2 * (1 - rho))
     assert rec["wait_ms"].mean() / 1e3 == pytest.approx(wq, rel=0.05)
@@ -150,8 +156,8 @@ def test_more_nodes_never_wait_longer():
     times = np.cumsum(np.random.default_rng(1).exponential(0.01, 2000))
     tr = _uniform_trace(times, 400)
     waits = [
-        SV.simulate(
-            tr, "no_cache", cfg=SV.ServingConfig(pool_blocks=0, prefill_nodes=k), cost=COST
+        engine.simulate(
+            tr, "no_cache", cfg=engine.ServingConfig(pool_blocks=0, prefill_nodes=k), cost=COST
         )["wait_ms"].mean()
         for k in (1, 2, 4)
     ]
@@ -188,11 +194,11 @@ def test_loader_errors_name_the_line(tmp_path, second, message):
         '{"timestamp": 2, "input_length": 10, "output_length": 1, "hash_ids": [0]}\n' + second
     )
     with pytest.raises(TraceError, match=message):
-        SV.load_mooncake_trace(path)
+        traces_lib.load_mooncake_trace(path)
 
 
 def test_loader_reads_the_shipped_format(tmp_path):
-    tr = SV.load_mooncake_trace(
+    tr = traces_lib.load_mooncake_trace(
         _write(tmp_path / "ok.jsonl", [(0, 1000, [10, 11]), (0, 512, [10]), (1500, 1, [12])])
     )
     assert len(tr) == 3 and tr.n_blocks == 3
@@ -213,14 +219,15 @@ def test_cli_on_a_mooncake_trace_writes_the_core_schema_plus_serving_fields(tmp_
         reqs.append((t, 512 * len(h), h))
     path = _write(tmp_path / "mc.jsonl", reqs)
     out = tmp_path / "r.json"
-    argv = ["--trace", str(path), "--pool-gib", "2", "--prefill-nodes", "2", "--json", str(out)]
+    argv = ["serve", "--trace", str(path), "--pool-gib", "2", "--prefill-nodes", "2"]
+    argv += ["--json", str(out)]
     assert eval_main(argv + ["--load-scale", "2"]) == 0
     text = capsys.readouterr().out
-    for name in SV.POLICIES:
+    for name in BLOCK_POLICIES:
         assert f"\n{name} " in text
     data = json.loads(out.read_text())
     assert data["config"]["prefill_nodes"] == 2 and data["config"]["pool_blocks"] == 32
-    assert [r["policy"] for r in data["results"]] == list(SV.POLICIES)
+    assert [r["policy"] for r in data["results"]] == list(BLOCK_POLICIES)
     core = {"policy", "ttft_ms_mean", "ttft_ms_p50", "ttft_ms_p99", "hit_rate", "transfer_gib"}
     for r in data["results"]:
         assert core | {"admits", "evictions", "token_hit_rate", "throughput_rps"} <= r.keys()
@@ -232,30 +239,30 @@ def test_cli_on_a_mooncake_trace_writes_the_core_schema_plus_serving_fields(tmp_
 
 def test_cli_serving_errors(tmp_path, capsys):
     path = _write(tmp_path / "mc.jsonl", [(0, 10, [1]), (-5, 10, [2])])
-    assert eval_main(["--trace", str(path), "--pool-gib", "1"]) == 2
+    assert eval_main(["serve", "--trace", str(path), "--pool-gib", "1"]) == 2
     assert "mc.jsonl:2: 'timestamp' must be a finite number ≥ 0" in capsys.readouterr().err
     ok = _write(tmp_path / "ok.jsonl", [(0, 10, [1])])
-    assert eval_main(["--trace", str(ok)]) == 2
-    assert "needs --pool-gib" in capsys.readouterr().err
-    assert eval_main(["3", "--policies", "mooncake"]) == 2
-    assert "need a Mooncake trace" in capsys.readouterr().err
+    assert eval_main(["serve", "--trace", str(ok)]) == 2
+    assert "serve needs the pool size: --pool-gib G or --pool-frac F" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        eval_main(["3", "--policies", "mooncake"])
+    assert e.value.code == 2
+    assert "(mooncake: policies of `kvlearn serve`)" in capsys.readouterr().err
 
 
 def test_block_kvlearn_learns_to_refuse_one_off_tails(tmp_path):
     # every request: a shared 2-block system prompt, then a block never seen again
     hashes = [[0, 1, 100 + i] for i in range(900)]
     tr = _trace(tmp_path, hashes, gap_ms=1000)
-    cfg = SV.ServingConfig(pool_blocks=50, prefill_nodes=1)
-    base = SV.simulate(tr, "mooncake", cfg=cfg, cost=COST)
-    learned = SV.simulate(tr, "kvlearn", cfg=cfg, cost=COST)
+    cfg = engine.ServingConfig(pool_blocks=50, prefill_nodes=1)
+    base = engine.simulate(tr, "mooncake", cfg=cfg, cost=COST)
+    learned = engine.simulate(tr, "kvlearn", cfg=cfg, cost=COST)
     assert base["admits"] == 2 + 900  # Mooncake-style admits every computed block
     assert learned["admits"] < 2 + 450  # the PRP learns that tails are not reused
     np.testing.assert_array_equal(learned["hit_blocks"][1:], 2)  # the shared prefix stays
 
 
 def test_calibrate_fits_the_decoder_and_feeds_the_simulator(tmp_path, capsys):
-    from jaxkv.kvlearn.calibrate import cost_model_from
-
     cal = tmp_path / "cal.json"
     argv = ["calibrate", "--model", "tiny", "--lengths", "32,64,128", "--repeats", "2"]
     assert eval_main(argv + ["--json", str(cal), "--plot", str(tmp_path / "c.png")]) == 0
@@ -267,7 +274,7 @@ def test_calibrate_fits_the_decoder_and_feeds_the_simulator(tmp_path, capsys):
     assert (tmp_path / "c.png").stat().st_size > 0
     trace = _write(tmp_path / "mc.jsonl", [(0, 600, [1, 2]), (100_000, 600, [1, 2])])
     out = tmp_path / "r.json"
-    argv = ["--trace", str(trace), "--pool-frac", "1", "--calibration", str(cal)]
+    argv = ["serve", "--trace", str(trace), "--pool-frac", "1", "--calibration", str(cal)]
     assert eval_main(argv + ["--policies", "mooncake", "--json", str(out)]) == 0
     (r,) = json.loads(out.read_text())["results"]
     fit = max(cost.alpha_bw_ms * 600, cost.alpha_flop_ms * 600**2)

@@ -7,13 +7,14 @@ import jax
 import numpy as np
 import pytest
 
-from jaxkv.kvlearn import baselines as B
-from jaxkv.kvlearn import simulate as S
-from jaxkv.kvlearn import traces as T
+from jaxkv.kvlearn import workloads
+from jaxkv.kvlearn.core import control as control_lib
 from jaxkv.kvlearn.cost import GIB, MIB, CostModel
+from jaxkv.kvlearn.sim import simulate as simulate_lib
+from jaxkv.kvlearn.sim.policies.oracle_static import static_oracle_set
 
 COST = CostModel.llama3_8b_a100()
-TRACE = T.zipf_multimodal(3000, 0.8, seed=11)
+TRACE = workloads.zipf_multimodal(3000, 0.8, seed=11)
 
 
 def python_lru(trace, capacity_bytes, *, admit_u=None, p_admit=1.0):
@@ -54,13 +55,13 @@ def python_metrics(trace, hit, admitted):
 
 
 def _events(name, trace, capacity, seed=0):
-    sim_cfg = S.SimConfig()
-    fn = S._runner(
+    sim_cfg = simulate_lib.SimConfig()
+    fn = simulate_lib._runner(
         name, max_keys=trace.n_keys, n_requests=len(trace), sim_cfg=sim_cfg, batched=False
     )
-    inputs = S._inputs(trace, capacity_bytes=capacity, seed=seed, cost=COST)
+    inputs = simulate_lib._inputs(trace, capacity_bytes=capacity, seed=seed, cost=COST)
     events, _ = fn(
-        S.sim_requests(trace, cost=COST, seed=seed),
+        simulate_lib.sim_requests(trace, cost=COST, seed=seed),
         inputs.replace(key=jax.random.wrap_key_data(inputs.key)),
     )
     return tuple(np.asarray(a) for a in (events.hit, events.admitted, events.n_evicted))
@@ -74,7 +75,7 @@ def test_lru_equals_python_exactly(capacity):
     np.testing.assert_array_equal(admitted, p_adm)
     np.testing.assert_array_equal(evicted, p_ev)
     assert p_ev.sum() > 100  # the capacity binds
-    m = S.run("lru", TRACE, capacity_bytes=capacity, seed=0)
+    m = simulate_lib.run("lru", TRACE, capacity_bytes=capacity, seed=0)
     ttft, xfer = python_metrics(TRACE, p_hit, p_adm)
     assert m["ttft_ms_mean"] == pytest.approx(ttft, rel=1e-12)
     assert m["transfer_gib"] == pytest.approx(xfer, rel=1e-12)
@@ -86,7 +87,7 @@ def test_lru_equals_python_exactly(capacity):
 
 
 def test_random_admission_lru_equals_python_exactly():
-    u = S.sim_requests(TRACE, cost=COST, seed=5).u
+    u = simulate_lib.sim_requests(TRACE, cost=COST, seed=5).u
     hit, admitted, evicted = _events("random_lru", TRACE, 1 * GIB, seed=5)
     p_hit, p_adm, p_ev = python_lru(TRACE, 1 * GIB, admit_u=u, p_admit=0.1)
     np.testing.assert_array_equal(hit, p_hit)
@@ -95,7 +96,7 @@ def test_random_admission_lru_equals_python_exactly():
 
 
 def test_no_cache_equals_python_exactly():
-    m = S.run("no_cache", TRACE, capacity_bytes=4 * GIB)
+    m = simulate_lib.run("no_cache", TRACE, capacity_bytes=4 * GIB)
     n = len(TRACE)
     ttft, xfer = python_metrics(TRACE, [False] * n, [False] * n)
     assert m["ttft_ms_mean"] == pytest.approx(ttft, rel=1e-12)
@@ -110,48 +111,53 @@ def test_no_cache_equals_python_exactly():
 def test_static_oracle_set_is_greedy_by_value_per_byte():
     pop = np.array([0.4, 0.3, 0.2, 0.1])
     tokens = np.array([64, 576, 64, 1440])
-    keep = B.static_oracle_set(
-        popularity_K=pop, tokens_K=tokens, cost=COST, capacity_bytes=80 * MIB, max_blocks=4
+    keep = static_oracle_set(
+        popularity_P=pop, tokens_P=tokens, cost=COST, capacity_bytes=80 * MIB, max_blocks=4
     )
     # densities ∝ p in the bandwidth regime: key 0 (8 MiB), key 1 (72 MiB) fits exactly, key 2 no room
     np.testing.assert_array_equal(keep, [True, True, False, False])
-    keep = B.static_oracle_set(
-        popularity_K=pop, tokens_K=tokens, cost=COST, capacity_bytes=20 * MIB, max_blocks=4
+    keep = static_oracle_set(
+        popularity_P=pop, tokens_P=tokens, cost=COST, capacity_bytes=20 * MIB, max_blocks=4
     )
     np.testing.assert_array_equal(keep, [True, False, True, False])  # key 1 skipped, key 2 fits
 
 
 def test_oracle_and_belady_behave():
-    res = {p: S.run(p, TRACE, capacity_bytes=1 * GIB) for p in ("lru", "oracle_static", "belady")}
+    res = {
+        p: simulate_lib.run(p, TRACE, capacity_bytes=1 * GIB)
+        for p in ("lru", "oracle_static", "belady")
+    }
     assert res["oracle_static"]["evictions"] == 0
     assert res["belady"]["hit_rate"] > max(res["lru"]["hit_rate"], res["oracle_static"]["hit_rate"])
 
 
 @pytest.mark.slow
 def test_vmap_batch_equals_single_runs():
-    traces = [T.zipf_multimodal(1000, a, seed=s) for a, s in ((0.8, 0), (1.4, 1), (1.1, 2))]
+    traces = [workloads.zipf_multimodal(1000, a, seed=s) for a, s in ((0.8, 0), (1.4, 1), (1.1, 2))]
     caps = [1 * GIB, 2 * GIB, 512 * MIB]
     for policy in ("lru", "kvlearn"):
-        batch = S.run_batch(policy, traces, capacities_bytes=caps, seeds=[0, 1, 2])
+        batch = simulate_lib.run_batch(policy, traces, capacities_bytes=caps, seeds=[0, 1, 2])
         for tr, cap, seed, b in zip(traces, caps, [0, 1, 2], batch, strict=True):
-            single = S.run(policy, tr, capacity_bytes=cap, seed=seed)
+            single = simulate_lib.run(policy, tr, capacity_bytes=cap, seed=seed)
             assert single.pop("policy") == b.pop("policy") == policy
             assert single == pytest.approx(b, rel=1e-6), policy
 
 
 def test_bad_inputs():
     with pytest.raises(ValueError, match="capacity"):
-        S.run("lru", TRACE, capacity_bytes=-1)
+        simulate_lib.run("lru", TRACE, capacity_bytes=-1)
     with pytest.raises(ValueError, match="unknown policy"):
-        S.run("fifo", TRACE, capacity_bytes=GIB)
+        simulate_lib.run("fifo", TRACE, capacity_bytes=GIB)
     with pytest.raises(ValueError, match="share length"):
-        S.run_batch("lru", [TRACE, TRACE.head(10)], capacities_bytes=[GIB, GIB], seeds=[0, 1])
+        simulate_lib.run_batch(
+            "lru", [TRACE, TRACE.head(10)], capacities_bytes=[GIB, GIB], seeds=[0, 1]
+        )
 
 
 def test_kvlearn_beats_lru_at_20k_requests():
-    tr = T.zipf_multimodal(20_000, 1.1, seed=0)
-    lru = S.run("lru", tr, capacity_bytes=4 * GIB)
-    kv = S.run("kvlearn", tr, capacity_bytes=4 * GIB)
+    tr = workloads.zipf_multimodal(20_000, 1.1, seed=0)
+    lru = simulate_lib.run("lru", tr, capacity_bytes=4 * GIB)
+    kv = simulate_lib.run("kvlearn", tr, capacity_bytes=4 * GIB)
     assert kv["ttft_ms_mean"] < 0.92 * lru["ttft_ms_mean"]
     assert kv["transfer_gib"] < 0.9 * lru["transfer_gib"]
     assert kv["admits"] < lru["admits"]
@@ -159,18 +165,16 @@ def test_kvlearn_beats_lru_at_20k_requests():
 
 def test_scan_carry_keeps_shapes_and_dtypes():
     """One KVLearn step and one tick map the state pytree onto itself (eval_shape, no compile)."""
-    from jaxkv.kvlearn import control as C
-
-    cfg = C.KVLearnConfig(max_blocks=64, max_keys=64)
-    state = C.init(cfg, capacity_bytes=GIB, key=jax.random.key(0))
-    req = C.Request(
+    cfg = control_lib.KVLearnConfig(max_blocks=64, max_keys=64)
+    state = control_lib.init(cfg, capacity_bytes=GIB, key=jax.random.key(0))
+    req = control_lib.Request(
         jax.numpy.int32(3), jax.numpy.int32(576), jax.numpy.int32(1), jax.numpy.float32(0.1)
     )
 
     def step(s):
-        s, _ = C.lookup(s, req, cfg=cfg)
-        s, _ = C.admit(s, req, cfg=cfg)
-        return C.tick(s, req.time, cfg=cfg)
+        s, _ = control_lib.lookup(s, req, cfg=cfg)
+        s, _ = control_lib.admit(s, req, cfg=cfg)
+        return control_lib.tick(s, req.time, cfg=cfg)
 
     spec = lambda tree: jax.tree.map(lambda a: (a.shape, a.dtype), tree)
     before = jax.eval_shape(lambda: state)
@@ -183,15 +187,15 @@ def test_scan_carry_keeps_shapes_and_dtypes():
 def test_victim_bound_changes_no_event(policy):
     """Padding victim arrays to ⌈largest / smallest block⌉ instead of 128 changes nothing."""
     tr = TRACE.head(1500)
-    bound = S.victim_bound([tr], cost=COST)
+    bound = simulate_lib.victim_bound([tr], cost=COST)
     assert bound == -(-(1440 * 128) // (64 * 128))  # 1440- and 64-token blocks: 23 victims
-    sim_cfg = S.SimConfig()
-    inputs = S._inputs(tr, capacity_bytes=300 * MIB, seed=0, cost=COST)
+    sim_cfg = simulate_lib.SimConfig()
+    inputs = simulate_lib._inputs(tr, capacity_bytes=300 * MIB, seed=0, cost=COST)
     inputs = inputs.replace(key=jax.random.wrap_key_data(inputs.key))
-    reqs = S.sim_requests(tr, cost=COST, seed=0)
+    reqs = simulate_lib.sim_requests(tr, cost=COST, seed=0)
     events = []
     for mv in (128, bound):
-        fn = S._runner(
+        fn = simulate_lib._runner(
             policy,
             max_keys=tr.n_keys,
             n_requests=len(tr),
@@ -208,21 +212,19 @@ def test_victim_bound_changes_no_event(policy):
 
 def test_inactive_admit_changes_nothing():
     """``admit(active=False)`` (the simulator's branch-free hit path) leaves the state as is."""
-    from jaxkv.kvlearn import control as C
-
-    cfg = C.KVLearnConfig(max_blocks=8, max_keys=16)
-    state = C.init(cfg, capacity_bytes=GIB, key=jax.random.key(0))
+    cfg = control_lib.KVLearnConfig(max_blocks=8, max_keys=16)
+    state = control_lib.init(cfg, capacity_bytes=GIB, key=jax.random.key(0))
     jnp = jax.numpy
     for k in range(6):  # fill the pool so an active admit would evict
-        req = C.Request(jnp.int32(k), jnp.int32(1440), jnp.int32(2), jnp.float32(0.1 * k))
-        state, _ = C.lookup(state, req, cfg=cfg)
-        state, _ = C.admit(state, req, cfg=cfg)
-    req = C.Request(jnp.int32(9), jnp.int32(1440), jnp.int32(2), jnp.float32(1.0))
-    state, _ = C.lookup(state, req, cfg=cfg)
-    after, res = C.admit(state, req, cfg=cfg, active=jnp.bool_(False))
+        req = control_lib.Request(jnp.int32(k), jnp.int32(1440), jnp.int32(2), jnp.float32(0.1 * k))
+        state, _ = control_lib.lookup(state, req, cfg=cfg)
+        state, _ = control_lib.admit(state, req, cfg=cfg)
+    req = control_lib.Request(jnp.int32(9), jnp.int32(1440), jnp.int32(2), jnp.float32(1.0))
+    state, _ = control_lib.lookup(state, req, cfg=cfg)
+    after, res = control_lib.admit(state, req, cfg=cfg, active=jnp.bool_(False))
     assert not bool(res.admitted) and int(res.n_evicted) == 0
     same = jax.tree.map(lambda a, b: bool(jnp.all(a == b)), state, after)
     assert all(jax.tree.leaves(same))
-    active, _ = C.admit(state, req, cfg=cfg)  # the same call, active: admits or discards
+    active, _ = control_lib.admit(state, req, cfg=cfg)  # the same call, active: admits or discards
     decided = lambda s: int(s.counters.admits) + int(s.counters.discards)
     assert decided(active) == decided(state) + 1

@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from jaxkv.kvlearn.cli import train_main as kvlearn_main
+from jaxkv.cli.kvlearn import train_main as kvlearn_main
 from jaxkv.rl import loop
 from jaxkv.rl.config import TrainConfig
 

@@ -1,35 +1,26 @@
 """KVLearn: learned keep/discard decisions for the KV pool of a disaggregated serving system.
 
-Modules (data flows top to bottom):
+Three products share this package (data flows top to bottom in each):
 
-    cost       footprint |b|, recompute R (continuous envelope), transfer T, storage U, CARS terms
-    traces     the README's Zipf multimodal workload, JSONL and Mooncake trace loaders
-    pool       the fixed-capacity block table (pure functions, O(√C) victim search)
-    features   per-key history (ghost entries), the PRP's 16 features, delayed label windows
-    prp        the Prefix Reuse Predictor: online MLP 16 → 32 → 1 with optax, whitening, replay
-    cars       CARS = P̂·(R − T) − U and the normalised value density ν used for ranking
-    atc        the Adaptive Threshold Controller (PI on the pressure at θ, anti-windup)
-    control    the control plane: KVLearnState and lookup / admit / feed_labels / tick
-    facade     ``Coordinator``: a stateful Python wrapper for a serving stack
-    baselines  simulator policies: no_cache, lru, random_lru, lfu, oracle_static, belady, kvlearn
-    simulate   lax.scan simulator, vmap over runs, metrics, sweeps
-    pretrain / checkpoint   offline PRP training and orbax save / restore
-    cli        ``python -m jaxkv.eval kvlearn`` and ``python -m jaxkv.train kvlearn``
+    cost, traces, workloads   the cost model, trace types and loaders, synthetic workloads
+    core/      the jitted control plane: pool, features, prp, cars, atc, control, facade,
+               pretrain, checkpoint (``Coordinator`` for a serving stack)
+    sim/       the ``lax.scan`` simulator of whole-prefix requests (the Zipf workload or a trace
+               file): ``simulate`` and its pool policies (``PoolPolicy``, ``sim/policies/``)
+    serving/   the plain-Python discrete-event simulator of Mooncake traces at block
+               granularity: ``engine``, ``prefix``, ``metrics``, ``rate``, ``oracle`` and its
+               block policies (``BlockPolicy``, ``serving/policies/``)
+    calibrate, report          the cost model from jaxkv's decoder; result tables and plots
 
-Serving scale (plain Python/numpy, Mooncake traces):
-
-    prefix         block-granular prefix cache (longest resident leading run, leaf eviction)
-    serving        Mooncake loader, FCFS prefill nodes, TTFT/throughput records, block policies
-    block_kvlearn  KVLearn's design at block granularity (online logistic PRP, gated admission)
-    mmsession      MM-Session workload generator (Mooncake JSONL)
-    calibrate      α_bw, α_flop from jaxkv's own decoder (``kvlearn calibrate``)
-    serving_cli    the CLI mode for Mooncake files
+The command lines live in ``jaxkv/cli/kvlearn.py`` (``python -m jaxkv.eval kvlearn
+sim|serve|calibrate|workload``, ``python -m jaxkv.train kvlearn``). Shape suffixes follow the
+KVLearn glossary in ``jaxkv/config.py``. This module is the public face: it imports from the
+modules below and none of them imports it.
 """
 
-from jaxkv.kvlearn.atc import ATCConfig
-from jaxkv.kvlearn.baselines import POLICIES
-from jaxkv.kvlearn.checkpoint import load_prp, save_prp
-from jaxkv.kvlearn.control import (
+from jaxkv.kvlearn.core.atc import ATCConfig
+from jaxkv.kvlearn.core.checkpoint import load_prp, save_prp
+from jaxkv.kvlearn.core.control import (
     AdmitResult,
     KVLearnConfig,
     KVLearnState,
@@ -40,31 +31,46 @@ from jaxkv.kvlearn.control import (
     lookup,
     tick,
 )
+from jaxkv.kvlearn.core.facade import Coordinator, Decision
+from jaxkv.kvlearn.core.prp import PRPConfig, PRPState, init_prp
 from jaxkv.kvlearn.cost import CostModel, KVShape
-from jaxkv.kvlearn.facade import Coordinator, Decision
-from jaxkv.kvlearn.prp import PRPConfig
-from jaxkv.kvlearn.simulate import SimConfig, compare, run, run_batch, sweep
+from jaxkv.kvlearn.serving.engine import ServingConfig
+from jaxkv.kvlearn.serving.policies import BLOCK_POLICIES
+from jaxkv.kvlearn.serving.policies.base import BlockPolicy
+from jaxkv.kvlearn.sim.policies import POOL_POLICIES
+from jaxkv.kvlearn.sim.policies.base import PoolPolicy
+from jaxkv.kvlearn.sim.simulate import SimConfig, compare, run, run_batch, sweep
 from jaxkv.kvlearn.traces import (
+    MooncakeTrace,
     Trace,
     TraceError,
     load_jsonl,
     load_mooncake,
+    load_mooncake_trace,
     save_jsonl,
-    zipf_multimodal,
+    save_mooncake_jsonl,
 )
+from jaxkv.kvlearn.workloads import MMSessionConfig, mm_session, zipf_multimodal
 
 __all__ = [
     "ATCConfig",
     "AdmitResult",
+    "BLOCK_POLICIES",
+    "BlockPolicy",
     "Coordinator",
     "CostModel",
     "Decision",
     "KVLearnConfig",
     "KVLearnState",
     "KVShape",
-    "POLICIES",
+    "MMSessionConfig",
+    "MooncakeTrace",
+    "POOL_POLICIES",
     "PRPConfig",
+    "PRPState",
+    "PoolPolicy",
     "Request",
+    "ServingConfig",
     "SimConfig",
     "Trace",
     "TraceError",
@@ -72,14 +78,18 @@ __all__ = [
     "compare",
     "feed_labels",
     "init",
+    "init_prp",
     "load_jsonl",
     "load_mooncake",
+    "load_mooncake_trace",
+    "load_prp",
     "lookup",
+    "mm_session",
     "run",
     "run_batch",
     "save_jsonl",
+    "save_mooncake_jsonl",
     "save_prp",
-    "load_prp",
     "sweep",
     "tick",
     "zipf_multimodal",

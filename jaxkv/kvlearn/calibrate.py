@@ -8,33 +8,28 @@ weights without loading the GGUF. ``calibrate`` fits the envelope R(L) = max(α_
 with ``cost.fit_calibration`` and reports the crossover α_bw/α_flop.
 
 ``python -m jaxkv.eval kvlearn calibrate [--model smollm2-135m] [--lengths 128,256,...]
-[--json OUT] [--plot PNG]``; the simulator then takes ``--calibration OUT`` instead of a preset.
+[--json OUT] [--plot PNG]`` runs it; both simulators then take ``--calibration OUT`` instead of a
+preset.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.kvlearn import cli_common
+from jaxkv import kvcache
 from jaxkv.kvlearn.cost import CostModel, KVShape, fit_calibration
-
-PROG = "python -m jaxkv.eval kvlearn calibrate"
+from jaxkv.model import decoder
+from jaxkv.model.params import init_params
 
 
 def measure_prefill(config, lengths, *, repeats: int = 3, seed: int = 0) -> list[float]:
     """Median wall time (ms) of one jitted prefill per prompt length (compile excluded)."""
-    import jax
-    import jax.numpy as jnp
-
-    from jaxkv import kvcache
-    from jaxkv.model import decoder
-    from jaxkv.model.params import init_params
-
     params = init_params(config, key=jax.random.key(seed))
     fn = jax.jit(lambda p, t, c: decoder.prefill(p, t, c, config=config)[0])
     out = []
@@ -94,15 +89,16 @@ def cost_model_from(cal: dict | str | Path) -> CostModel:
 
 
 def plot(cal: dict, path) -> None:
-    import matplotlib
+    """Measured points, the fitted envelope and the crossover, as a PNG at ``path``."""
+    import matplotlib  # lazy: a heavy import only plots need
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    L = np.asarray(cal["lengths"], float)
-    grid = np.linspace(L.min(), L.max(), 200)
+    lengths = np.asarray(cal["lengths"], float)
+    grid = np.linspace(lengths.min(), lengths.max(), 200)
     fig, ax = plt.subplots(figsize=(5.5, 4))
-    ax.plot(L, cal["prefill_ms"], "o", label="measured (median)")
+    ax.plot(lengths, cal["prefill_ms"], "o", label="measured (median)")
     env = np.maximum(cal["alpha_bw_ms"] * grid, cal["alpha_flop_ms"] * grid**2)
     ax.plot(grid, env, "-", label="fit max(α_bw·L, α_flop·L²)")
     ax.axvline(cal["crossover_tokens"], color="gray", ls=":", label="crossover")
@@ -115,47 +111,3 @@ def plot(cal: dict, path) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def main(argv: list[str]) -> int:
-    from jaxkv.config import ModelConfig
-
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2-135m", help="model preset (or 'tiny')")
-    p.add_argument(
-        "--lengths",
-        type=cli_common.number_list(cli_common.number(int, ge=1)),
-        default=[128, 256, 512, 768, 1024, 1536, 2048],
-        help="prompt lengths to time (default 128,256,512,768,1024,1536,2048)",
-    )
-    p.add_argument("--repeats", type=cli_common.number(int, ge=1), default=3)
-    p.add_argument("--json", metavar="PATH", help="write the calibration (use with --calibration)")
-    p.add_argument("--plot", metavar="PNG", help="plot measured points and the fit")
-    args = p.parse_args(argv)
-    try:
-        for flag, path in (("--json", args.json), ("--plot", args.plot)):
-            if path:
-                cli_common.check_output(path, flag=flag)
-        config = ModelConfig.tiny() if args.model == "tiny" else ModelConfig.preset(args.model)
-        lengths = args.lengths
-        if len(lengths) < 2:
-            raise ValueError(f"need ≥ 2 positive --lengths, got {lengths}")
-        config = config.replace(max_seq_len=max(config.max_seq_len, max(lengths)))
-        cal = calibrate(config, lengths, repeats=args.repeats)
-    except ValueError as e:
-        print(f"{PROG}: error: {e}", file=__import__("sys").stderr)
-        return 2
-    for n, ms, f in zip(cal["lengths"], cal["prefill_ms"], cal["fit_ms"], strict=True):
-        print(f"L={n:6d}  prefill {ms:10.2f} ms   fit {f:10.2f} ms")
-    print(
-        f"alpha_bw = {cal['alpha_bw_ms']:.4g} ms/token   alpha_flop = {cal['alpha_flop_ms']:.4g} "
-        f"ms/token²   crossover = {cal['crossover_tokens']:.0f} tokens"
-    )
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(cal, indent=2))
-        print(f"wrote {args.json}")
-    if args.plot:
-        plot(cal, args.plot)
-        print(f"plot: {args.plot}")
-    return 0

@@ -166,18 +166,18 @@ def fit_calibration(tokens, measured_ms) -> tuple[float, float]:
     Each point is assigned to the regime that explains it better; the two one-parameter fits
     are then redone on their points (a few alternations suffice for a max of two monomials).
     """
-    L = np.asarray(tokens, dtype=np.float64)
+    n = np.asarray(tokens, dtype=np.float64)
     y = np.asarray(measured_ms, dtype=np.float64)
-    if L.shape != y.shape or L.size < 2 or np.any(L <= 0) or np.any(y <= 0):
+    if n.shape != y.shape or n.size < 2 or np.any(n <= 0) or np.any(y <= 0):
         raise ValueError("fit_calibration: need ≥2 positive (tokens, ms) pairs of equal length")
-    a_bw = float(np.sum(L * y) / np.sum(L * L))
-    a_flop = float(np.sum(L**2 * y) / np.sum(L**4))
+    a_bw = float(np.sum(n * y) / np.sum(n * n))
+    a_flop = float(np.sum(n**2 * y) / np.sum(n**4))
     for _ in range(20):
-        bw = a_bw * L >= a_flop * L * L
+        bw = a_bw * n >= a_flop * n * n
         if bw.any():
-            a_bw = float(np.sum(L[bw] * y[bw]) / np.sum(L[bw] ** 2))
+            a_bw = float(np.sum(n[bw] * y[bw]) / np.sum(n[bw] ** 2))
         if (~bw).any():
-            a_flop = float(np.sum(L[~bw] ** 2 * y[~bw]) / np.sum(L[~bw] ** 4))
+            a_flop = float(np.sum(n[~bw] ** 2 * y[~bw]) / np.sum(n[~bw] ** 4))
     return a_bw, a_flop
 
 

@@ -1,7 +1,8 @@
-"""Request traces for the KVLearn simulator: the README's Zipf multimodal workload and JSONL files.
+"""Request traces of the KVLearn simulators: the two types, their file formats and their loaders.
 
-A trace is a sequence of requests, each naming a reusable prefix (its KV block) by key. Keys are
-mapped to dense ids ``0..K-1`` so the simulator can keep per-key arrays; ``names[k]`` is the key.
+A ``Trace`` (the core simulator's) is a sequence of requests, each naming a reusable prefix (its
+KV block) by key. Keys are mapped to dense ids ``0..P-1`` so the simulator can keep per-key
+arrays; ``names[k]`` is the key.
 
 JSONL trace format (one request per line, every field required, no others allowed)::
 
@@ -14,10 +15,12 @@ change between lines; ``tokens`` is at most ``MAX_TOKENS`` (token counts are int
 Blank lines are skipped; any other defect raises ``TraceError`` with the line number.
 
 Mooncake traces (FAST'25; ``timestamp`` ms, ``input_length``, ``output_length``, ``hash_ids``) are
-read by one validating loader, ``load_mooncake_trace`` (request level, for the serving
-simulator); ``load_mooncake`` turns the same records into one pool request per prefix block for
-the core simulator. The name ``EXAMPLE`` (``"example"``) stands for the Mooncake example trace
-shipped with jaxkv (``trace_path``).
+read by one validating loader, ``load_mooncake_trace`` (a ``MooncakeTrace``, request level, for
+the serving simulator); ``load_mooncake`` turns the same records into one pool request per
+prefix block for the core simulator. Each format has exactly one loader, and no loader guesses
+the format of a file: the caller says which it reads. The name ``EXAMPLE`` (``"example"``)
+stands for the Mooncake example trace shipped with jaxkv (``trace_path``). Synthetic traces
+come from ``workloads``.
 """
 
 from __future__ import annotations
@@ -54,12 +57,12 @@ class Trace:
     """Requests in arrival order (numpy, host side).
 
     Attributes:
-        key: [N] int32 dense key id per request.
-        tokens: [N] int32 prefix length per request.
-        modality: [N] int32 (0 text, 1 image, 2 video).
-        time_s: [N] float64 arrival time.
-        names: K key names, ``names[key[i]]`` is request i's key.
-        popularity: [K] true request probabilities when known (synthetic traces), else None.
+        key: [R] int32 dense key id per request.
+        tokens: [R] int32 prefix length per request.
+        modality: [R] int32 (0 text, 1 image, 2 video).
+        time_s: [R] float64 arrival time.
+        names: P key names, ``names[key[i]]`` is request i's key.
+        popularity: [P] true request probabilities when known (synthetic traces), else None.
     """
 
     key: np.ndarray
@@ -87,77 +90,13 @@ class Trace:
         )
 
     def empirical_popularity(self) -> np.ndarray:
-        """[K] request frequencies over the whole trace (future knowledge)."""
+        """[P] request frequencies over the whole trace (future knowledge)."""
         counts = np.bincount(self.key, minlength=self.n_keys).astype(np.float64)
         return counts / max(len(self), 1)
 
 
-@dataclasses.dataclass(frozen=True)
-class Catalog:
-    """The prefixes a synthetic workload draws from: [K] arrays plus names."""
-
-    names: tuple[str, ...]
-    tokens: np.ndarray
-    modality: np.ndarray
-    popularity: np.ndarray
-
-
-def zipf_catalog(
-    alpha: float, *, n_text: int = 40, n_image: int = 80, n_video: int = 10
-) -> Catalog:
-    """The README simulator's catalog: Zipf weights over ranks, text first, then images, videos.
-
-    Text prefixes are 64–288 tokens (64 + 32·(i mod 8)), images 576 tokens (LLaVA-1.5), videos
-    720–1440 tokens (720 + 180·(i mod 5)). Weights are ``m / (rank+1)^α`` with modality factor
-    m = 0.6 (text), 1.4 (image, heavier visual reuse), 1.1 (video), normalised to sum to one.
-    """
-    if not alpha > 0 or not math.isfinite(alpha):
-        raise TraceError(f"zipf alpha must be a positive finite number, got {alpha}")
-    if min(n_text, n_image, n_video) < 0 or n_text + n_image + n_video == 0:
-        raise TraceError("catalog sizes must be ≥ 0 and not all zero")
-    i_t, i_i, i_v = np.arange(n_text), np.arange(n_image), np.arange(n_video)
-    tokens = np.concatenate([64 + (i_t % 8) * 32, np.full(n_image, 576), 720 + (i_v % 5) * 180])
-    modality = np.concatenate(
-        [np.full(n_text, TEXT), np.full(n_image, IMAGE), np.full(n_video, VIDEO)]
-    )
-    factor = np.array([0.6, 1.4, 1.1])[modality]
-    weight = factor / np.power(np.arange(tokens.size) + 1.0, alpha)
-    names = tuple(
-        [f"sys/text{i}" for i in i_t] + [f"img/{i}" for i in i_i] + [f"vid/{i}" for i in i_v]
-    )
-    return Catalog(names, tokens.astype(np.int32), modality.astype(np.int32), weight / weight.sum())
-
-
-def zipf_multimodal(
-    n_requests: int,
-    alpha: float,
-    *,
-    seed: int,
-    rate_per_s: float = 20.0,
-    poisson: bool = False,
-    catalog: Catalog | None = None,
-) -> Trace:
-    """The README's Zipf multimodal workload: i.i.d. draws from ``zipf_catalog(alpha)``.
-
-    Arrivals are evenly spaced at ``rate_per_s`` (the reference simulator's 20 req/s) or, with
-    ``poisson=True``, a Poisson process of that rate. Seeded and reproducible.
-    """
-    if n_requests <= 0:
-        raise TraceError(f"n_requests must be positive, got {n_requests}")
-    if not rate_per_s > 0:
-        raise TraceError(f"rate_per_s must be positive, got {rate_per_s}")
-    cat = catalog if catalog is not None else zipf_catalog(alpha)
-    rng = np.random.default_rng(seed)
-    key = rng.choice(len(cat.names), size=n_requests, p=cat.popularity).astype(np.int32)
-    if poisson:
-        time_s = np.cumsum(rng.exponential(1.0 / rate_per_s, size=n_requests))
-    else:
-        time_s = np.arange(1, n_requests + 1, dtype=np.float64) / rate_per_s
-    return Trace(key, cat.tokens[key], cat.modality[key], time_s, cat.names, cat.popularity)
-
-
 def next_use_index(key: np.ndarray) -> np.ndarray:
-    """[N] int32: index of the next request for the same key, or N if there is none."""
+    """[R] int32: index of the next request for the same key, or R if there is none."""
     n = key.shape[0]
     nxt = np.full(n, n, dtype=np.int32)
     last: dict[int, int] = {}
@@ -256,6 +195,11 @@ def _parse_line(line: str, *, where: str) -> tuple[str, int, int, float]:
         raise TraceError(f"{where}: not valid JSON ({e.msg})") from None
     if not isinstance(row, dict):
         raise TraceError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    if "hash_ids" in row and "key" not in row:
+        raise TraceError(
+            f"{where}: a Mooncake record (hash_ids), not this JSONL format: read Mooncake traces "
+            "with load_mooncake_trace (request level) or load_mooncake (block by block)"
+        )
     missing, extra = _FIELDS - row.keys(), row.keys() - _FIELDS
     if missing:
         raise TraceError(f"{where}: missing fields {sorted(missing)}")
@@ -288,10 +232,10 @@ class MooncakeTrace:
     """Mooncake requests in arrival order.
 
     Attributes:
-        time_s: [N] float64 arrival times (s).
-        input_len: [N] int64 prompt tokens.
-        output_len: [N] int64 generated tokens.
-        blocks: N int64 arrays of dense block ids, one per ``block_tokens`` prompt block.
+        time_s: [R] float64 arrival times (s).
+        input_len: [R] int64 prompt tokens.
+        output_len: [R] int64 generated tokens.
+        blocks: R int64 arrays of dense block ids, one per ``block_tokens`` prompt block.
         n_blocks: distinct block ids.
         block_tokens: tokens per block (the last block of a request holds the remainder).
         hashes: the file's hash id of each dense block id (None for a trace built by hand).
@@ -403,16 +347,12 @@ def _parse_mooncake_line(line: str, *, where: str, bt: int) -> tuple[float, int,
     return float(t), n_in, n_out, h
 
 
-def is_mooncake_file(path: str | Path) -> bool:
-    """Whether the first non-blank line of ``path`` looks like a Mooncake record."""
-    try:
-        with open(path, "rb") as f:
-            for line in f:
-                if line.strip():
-                    return b'"hash_ids"' in line
-    except OSError:
-        return False
-    return False
+def save_mooncake_jsonl(records: list[dict], path: str | Path) -> None:
+    """Writes Mooncake records one per line (creating the folder; extra fields are kept)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
 
 
 def mooncake_blocks(trace: MooncakeTrace) -> Trace:

@@ -21,6 +21,7 @@ not map onto a fixed-shape ``lax.scan`` without padding every request to its lon
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 
 import numpy as np
 
@@ -34,9 +35,22 @@ class PrefixCache:
         capacity: blocks the pool holds (≥ 0).
         n_blocks: size of the dense block-id space (ids are ``0..n_blocks-1``).
         leaf_only: evict only leaves and admit only under a resident parent (prefix cache).
+        on_evict: called with each evicted block, after its eviction (the block policy's hook).
+
+    Attributes (``[P]`` arrays over block ids): ``resident``, ``parent`` (ROOT for a first
+    block), ``n_children`` (resident children), ``version`` (heap entries older than it are
+    stale); ``prio`` (block → priority of its newest heap entry), ``size`` (resident blocks)
+    and ``evictions`` (so far).
     """
 
-    def __init__(self, capacity: int, *, n_blocks: int, leaf_only: bool = True):
+    def __init__(
+        self,
+        capacity: int,
+        *,
+        n_blocks: int,
+        leaf_only: bool = True,
+        on_evict: Callable[[int], None] | None = None,
+    ):
         if capacity < 0:
             raise ValueError(f"capacity must be ≥ 0 blocks, got {capacity}")
         self.capacity = int(capacity)
@@ -48,7 +62,7 @@ class PrefixCache:
         self.prio: dict[int, tuple] = {}
         self.size = 0
         self.evictions = 0
-        self.on_evict = None  # optional callback(block) after each eviction
+        self.on_evict = on_evict
         self._heap: list[tuple] = []
 
     # ---- queries --------------------------------------------------------------------------

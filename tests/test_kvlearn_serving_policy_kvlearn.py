@@ -1,5 +1,6 @@
-"""Block KVLearn internals: the write-cost admission rule by hand, the host-side PRP forward pass
-and training bookkeeping against the core's ``prp``, and the label windows."""
+"""The serving simulator's KVLearn policy (``serving/policies/kvlearn.py``): the write-cost
+admission rule by hand, the host-side PRP (``serving.predictors.HostPRP``) against the core's
+``prp``, the label windows, the horizon, and its state and eviction hook."""
 
 import json
 
@@ -7,11 +8,13 @@ import jax
 import numpy as np
 import pytest
 
-from jaxkv.kvlearn import prp
-from jaxkv.kvlearn import serving as SV
-from jaxkv.kvlearn.block_kvlearn import _MLP, BlockKVLearn
+from jaxkv.kvlearn import traces as traces_lib
+from jaxkv.kvlearn.core import prp as prp_lib
 from jaxkv.kvlearn.cost import CostModel
-from jaxkv.kvlearn.prefix import PrefixCache
+from jaxkv.kvlearn.serving import engine
+from jaxkv.kvlearn.serving.policies.kvlearn import BlockKVLearn, BlockKVLearnConfig
+from jaxkv.kvlearn.serving.predictors import HostPRP
+from jaxkv.kvlearn.serving.prefix import PrefixCache
 
 COST = CostModel.llama3_8b_a100()
 BT = 512
@@ -25,7 +28,7 @@ def _trace(tmp_path, hashes):
         for i, h in enumerate(hashes)
     ]
     (tmp_path / "t.jsonl").write_text("\n".join(lines) + "\n")
-    return SV.load_mooncake_trace(tmp_path / "t.jsonl")
+    return traces_lib.load_mooncake_trace(tmp_path / "t.jsonl")
 
 
 # LLaMA-3-8B / A100 by hand: |512 tokens| = 512 · 2·32·8·128·2 B = 64 MiB; T = 2^26 B / 25e9 B/s
@@ -36,11 +39,15 @@ T_BLOCK = 2.68435456
 S_0, S_10 = 10.62764544, 41.35583744
 
 
+def _policy(trace, **hparams) -> BlockKVLearn:
+    return BlockKVLearn(trace, COST, pool_blocks=10, **hparams)
+
+
 def test_save_and_write_cost_match_the_hand_computation(tmp_path):
-    pol = BlockKVLearn(_trace(tmp_path, [list(range(12))]), COST, predictor="logistic")
-    assert pol.write_ms == pytest.approx(T_BLOCK, rel=1e-12)
-    assert pol.save_ms[0] == pytest.approx(S_0, rel=1e-12)
-    assert pol.save_ms[10] == pytest.approx(S_10, rel=1e-12)
+    pol = _policy(_trace(tmp_path, [list(range(12))]), predictor="logistic")
+    assert pol.costs.write_ms == pytest.approx(T_BLOCK, rel=1e-12)
+    assert pol.costs.save_ms[0] == pytest.approx(S_0, rel=1e-12)
+    assert pol.costs.save_ms[10] == pytest.approx(S_10, rel=1e-12)
 
 
 @pytest.mark.parametrize(
@@ -59,11 +66,11 @@ def test_admission_needs_expected_saving_above_the_write_cost(
     tmp_path, p_hat, j, theta, write_cost, admit
 ):
     tr = _trace(tmp_path, [list(range(12))])
-    pol = BlockKVLearn(tr, COST, theta=theta, write_cost=write_cost, predictor="logistic")
-    pol.p_hat[j] = p_hat
+    pol = _policy(tr, theta=theta, write_cost=write_cost, predictor="logistic")
+    pol.state.p_hat_P[j] = p_hat
     ok, prio = pol.gate(j, 0, j, 0.0)
     assert ok is admit
-    assert prio == (pytest.approx(p_hat * pol.save_ms[j]),)  # GreedyDual, L = 0
+    assert prio == (pytest.approx(p_hat * pol.costs.save_ms[j]),)  # GreedyDual, L = 0
 
 
 def test_simulated_pool_refuses_blocks_below_the_write_cost(tmp_path):
@@ -81,15 +88,14 @@ def test_simulated_pool_refuses_blocks_below_the_write_cost(tmp_path):
             return np.full(len(x), 0.2)
 
     for write_cost, admits in ((True, 0), (False, 3)):
-        pol = BlockKVLearn(tr, COST, theta=0.2, write_cost=write_cost, predictor="logistic")
+        pol = _policy(tr, theta=0.2, write_cost=write_cost, predictor="logistic")
         pol.pred = Const()
-        cache = PrefixCache(10, n_blocks=tr.n_blocks)
-        cache.on_evict = pol.on_evict
+        cache = PrefixCache(10, n_blocks=tr.n_blocks, on_evict=pol.on_evict)
         pol.attach(cache)
         counts = {"admits": 0, "discards": 0}
         rec = {"start_s": np.zeros(5), "service_ms": np.zeros(5), "admitted_tokens": np.zeros(5)}
         pol.on_access(tr.blocks[0], 0, 0, 0.0)
-        SV._offer(cache, pol, tr, 0, 0, rec, counts)
+        engine.offer(cache, pol, tr, 0, 0, rec, counts)
         assert counts["admits"] == admits
 
 
@@ -100,14 +106,15 @@ def _feed(m, rng, n_labels):
 
 def test_host_forward_equals_prp_predict_and_training_is_mirrored():
     rng = np.random.default_rng(0)
-    m = _MLP(seed=0)
+    m = HostPRP(seed=0)
     seen = []
     for n_rows, n_labels in ((30, 60), (7, 60), (200, 1500), (1, 0), (50, 99)):
         x = (rng.normal(size=(n_rows, 16)) * rng.uniform(0.1, 5, 16) + 3).astype(np.float32)
         p = m.predict(x)  # observes x first
         seen.append(x)
-        state = m.state.replace(n_obs=m.n_obs, mean_F=m.mean_F, m2_F=m.m2_F)
-        np.testing.assert_allclose(p, prp.predict(state, x, cfg=m.cfg), rtol=1e-5, atol=1e-6)
+        n_obs, mean_I, m2_I = m.stats
+        state = m.state.replace(n_obs=n_obs, mean_F=mean_I, m2_F=m2_I)
+        np.testing.assert_allclose(p, prp_lib.predict(state, x, cfg=m.cfg), rtol=1e-5, atol=1e-6)
         if n_labels:
             _feed(m, rng, n_labels)
         # the host knows when prp.maybe_train ran a round, and holds its parameters
@@ -116,9 +123,10 @@ def test_host_forward_equals_prp_predict_and_training_is_mirrored():
         for a, b in zip(jax.tree.leaves(m.params), jax.tree.leaves(m.state.params), strict=True):
             np.testing.assert_array_equal(a, np.asarray(b))
     allx = np.concatenate(seen).astype(np.float64)
-    assert float(m.n_obs) == len(allx)
-    np.testing.assert_allclose(m.mean_F, allx.mean(0), rtol=1e-5)
-    np.testing.assert_allclose(m.m2_F / m.n_obs, allx.var(0), rtol=1e-4)
+    n_obs, mean_I, m2_I = m.stats
+    assert float(n_obs) == len(allx)
+    np.testing.assert_allclose(mean_I, allx.mean(0), rtol=1e-5)
+    np.testing.assert_allclose(m2_I / n_obs, allx.var(0), rtol=1e-4)
     # at most one round per pushed chunk: 60; 120 → round, 20; + 1024 → round, 944; + 476 →
     # round, 1320; + 99 → round, 1319
     assert int(m.state.n_updates) == 4 * m.cfg.updates_per_round
@@ -128,7 +136,7 @@ def test_host_forward_equals_prp_predict_and_training_is_mirrored():
 def test_label_windows_close_on_reuse_or_after_the_horizon(tmp_path):
     hashes = [[0, 1], [0, 2]] + [[10 + k] for k in range(25)] + [[0, 1]]
     tr = _trace(tmp_path, hashes)
-    pol = BlockKVLearn(tr, COST, predictor="logistic", horizon_min=20.0)
+    pol = _policy(tr, predictor="logistic", horizon_min=20.0)
     pol.attach(PrefixCache(1, n_blocks=tr.n_blocks))  # H = max(2 · 1 / blocks per req, 20)
 
     labels = []
@@ -145,7 +153,7 @@ def test_label_windows_close_on_reuse_or_after_the_horizon(tmp_path):
     pol.pred = Record()
     for i, blk in enumerate(tr.blocks):
         pol.on_access(blk, 0, i, 0.0)
-    assert pol.h == 20.0
+    assert pol.state.horizon == 20.0
     # request 1 reuses block 0 (label 1); request 0's block 1 expires at 21 (0 + 20 < 21),
     # request 1's blocks 0 and 2 at 22, request k's single block at k + 21
     assert labels[0] == (1, [1.0])
@@ -153,16 +161,59 @@ def test_label_windows_close_on_reuse_or_after_the_horizon(tmp_path):
     assert labels[2] == (22, [0.0, 0.0])
     assert labels[3:] == [(k, [0.0]) for k in range(23, 28)]  # requests 2..6 expire
     # request 27 reopens blocks 0 and 1, whose windows had closed: no label 1 for them
-    assert pol.n_child[0] == 2  # children 1 and 2; the repeated pair (0, 1) counts once
-    assert pol.count[0] == 3 and pol.count[1] == 2
+    assert pol.state.n_child_P[0] == 2  # children 1 and 2; the repeated pair (0, 1) counts once
+    assert pol.state.count_P[0] == 3 and pol.state.count_P[1] == 2
 
 
 def test_horizon_follows_the_turnover_between_its_bounds(tmp_path):
     """H = 2 × capacity / blocks per request before the pool evicts, clipped to [20, 800]."""
     tr = _trace(tmp_path, [[k, k + 100] for k in range(60)])  # 2 blocks per request
     for cap, expected in ((4, 20.0), (100, 100.0), (10_000, 800.0)):
-        pol = BlockKVLearn(tr, COST, predictor="logistic")
+        pol = _policy(tr, predictor="logistic")
         pol.attach(PrefixCache(cap, n_blocks=tr.n_blocks))
         for _ in range(2000):  # the EMA of blocks per request settles at 2
             pol._update_horizon(2)
-        assert pol.h == pytest.approx(expected, rel=1e-6)
+        assert pol.state.horizon == pytest.approx(expected, rel=1e-6)
+
+
+def test_evictions_reach_the_policy_through_its_hook(tmp_path):
+    """The cache calls ``on_evict`` (no monkeypatching): GreedyDual's L rises to the victim's
+    priority and the eviction counts toward the turnover."""
+    tr = _trace(tmp_path, [[0], [1], [2]])
+    pol = _policy(tr, predictor="logistic")
+    cache = PrefixCache(1, n_blocks=tr.n_blocks, on_evict=pol.on_evict)
+    pol.attach(cache)
+    pol.state.p_hat_P[:] = 1.0
+    assert cache.insert(0, -1, pol.prio(0, 0, 0, 0.0))
+    assert cache.insert(1, -1, pol.prio(1, 1, 0, 0.0))  # evicts block 0
+    assert cache.evictions == 1 and pol.state.n_evict == 1
+    assert pol.state.inflation == pytest.approx(pol.costs.save_ms[0])  # block 0's priority
+
+
+def test_hyper_parameters_are_validated():
+    with pytest.raises(ValueError, match="retention"):
+        BlockKVLearnConfig(retention="lfu")
+    with pytest.raises(ValueError, match="predictor"):
+        BlockKVLearnConfig(predictor="tree")
+    assert BlockKVLearnConfig() == BlockKVLearnConfig(theta=0.0, horizon_max=800.0)
+
+
+def test_host_twins_match_the_jax_prp():
+    """``prp.host_observe`` / ``host_predict`` (numpy) against ``observe`` / ``predict`` (JAX):
+    equal up to float rounding, which is why the serving simulator keeps its numpy path."""
+    cfg = prp_lib.PRPConfig()
+    rng = np.random.default_rng(1)
+    x = (rng.normal(size=(64, 16)) * 4 + 2).astype(np.float32)
+    state = prp_lib.init_prp(cfg, key=jax.random.key(3))
+    for row in x:
+        state = prp_lib.observe(state, row)
+    stats = prp_lib.host_observe(prp_lib.host_stats(), x)
+    np.testing.assert_allclose(stats[1], np.asarray(state.mean_F), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(stats[2], np.asarray(state.m2_F), rtol=1e-4)
+    params = jax.device_get(state.params)
+    np.testing.assert_allclose(
+        prp_lib.host_predict(params, stats, x),
+        np.asarray(prp_lib.predict(state, x, cfg=cfg)),
+        rtol=1e-5,
+        atol=1e-6,
+    )

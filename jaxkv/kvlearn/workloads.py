@@ -1,8 +1,14 @@
-"""MM-Session: a seeded multimodal multi-turn workload written in the Mooncake JSONL format.
+"""Synthetic workloads: the README's Zipf multimodal requests and MM-Session conversations.
 
-Each session picks a system prompt (Zipf over ``n_system``), optionally one image (576 tokens,
-LLaVA-1.5) and/or one video (720–1440 tokens), each drawn from a shared catalog with Zipf
-popularity, then runs 1..``max_turns`` turns. Turn k's prompt is the session's context so far:
+``zipf_multimodal`` draws i.i.d. requests for whole prefixes from ``zipf_catalog`` (a ``Trace``
+for the core simulator). ``mm_session`` generates MM-Session, a seeded multimodal multi-turn
+workload as Mooncake records (``traces.save_mooncake_jsonl`` writes them; ``load_mooncake_trace``
+reads them back for the serving simulator).
+
+MM-Session: each session picks a system prompt (Zipf over ``n_system``), optionally one image
+(576 tokens, LLaVA-1.5) and/or one video (720–1440 tokens), each drawn from a shared catalog
+with Zipf popularity, then runs 1..``max_turns`` turns. Turn k's prompt is the session's context
+so far:
 
     system | media | user_1 | answer_1 | … | user_k          (input_length; output = answer_k)
 
@@ -16,25 +22,91 @@ bursts (Poisson burst times at ``rate_per_s / burst_mean``, geometric burst size
 ``burst_mean``, sessions of a burst within one second); turn k+1 follows turn k after an
 exponential think time (mean ``think_s``) plus the answer's length at ``decode_tok_per_s``.
 
-``python -m jaxkv.kvlearn.mmsession --sessions 500 --out mm.jsonl [--seed 0] [--bursty]``
+``python -m jaxkv.eval kvlearn workload mmsession --sessions 500 --out mm.jsonl [--seed 0]
+[--bursty]`` writes one to a file.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
-import sys
-from pathlib import Path
+import math
 
 import numpy as np
 
-from jaxkv.kvlearn import cli_common
+from jaxkv.kvlearn.traces import BLOCK_TOKENS, IMAGE, TEXT, VIDEO, Trace, TraceError
 
-BLOCK = 512
 IMAGE_TOKENS = 576
+"""Tokens of one image (LLaVA-1.5), in both workloads."""
 
 
+# ---- Zipf multimodal --------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Catalog:
+    """The prefixes a synthetic workload draws from: [J] arrays plus names."""
+
+    names: tuple[str, ...]
+    tokens: np.ndarray
+    modality: np.ndarray
+    popularity: np.ndarray
+
+
+def zipf_catalog(
+    alpha: float, *, n_text: int = 40, n_image: int = 80, n_video: int = 10
+) -> Catalog:
+    """The README simulator's catalog: Zipf weights over ranks, text first, then images, videos.
+
+    Text prefixes are 64–288 tokens (64 + 32·(i mod 8)), images 576 tokens (LLaVA-1.5), videos
+    720–1440 tokens (720 + 180·(i mod 5)). Weights are ``m / (rank+1)^α`` with modality factor
+    m = 0.6 (text), 1.4 (image, heavier visual reuse), 1.1 (video), normalised to sum to one.
+    """
+    if not alpha > 0 or not math.isfinite(alpha):
+        raise TraceError(f"zipf alpha must be a positive finite number, got {alpha}")
+    if min(n_text, n_image, n_video) < 0 or n_text + n_image + n_video == 0:
+        raise TraceError("catalog sizes must be ≥ 0 and not all zero")
+    i_t, i_i, i_v = np.arange(n_text), np.arange(n_image), np.arange(n_video)
+    tokens = np.concatenate(
+        [64 + (i_t % 8) * 32, np.full(n_image, IMAGE_TOKENS), 720 + (i_v % 5) * 180]
+    )
+    modality = np.concatenate(
+        [np.full(n_text, TEXT), np.full(n_image, IMAGE), np.full(n_video, VIDEO)]
+    )
+    factor = np.array([0.6, 1.4, 1.1])[modality]
+    weight = factor / np.power(np.arange(tokens.size) + 1.0, alpha)
+    names = tuple(
+        [f"sys/text{i}" for i in i_t] + [f"img/{i}" for i in i_i] + [f"vid/{i}" for i in i_v]
+    )
+    return Catalog(names, tokens.astype(np.int32), modality.astype(np.int32), weight / weight.sum())
+
+
+def zipf_multimodal(
+    n_requests: int,
+    alpha: float,
+    *,
+    seed: int,
+    rate_per_s: float = 20.0,
+    poisson: bool = False,
+    catalog: Catalog | None = None,
+) -> Trace:
+    """The README's Zipf multimodal workload: i.i.d. draws from ``zipf_catalog(alpha)``.
+
+    Arrivals are evenly spaced at ``rate_per_s`` (the reference simulator's 20 req/s) or, with
+    ``poisson=True``, a Poisson process of that rate. Seeded and reproducible.
+    """
+    if n_requests <= 0:
+        raise TraceError(f"n_requests must be positive, got {n_requests}")
+    if not rate_per_s > 0:
+        raise TraceError(f"rate_per_s must be positive, got {rate_per_s}")
+    cat = catalog if catalog is not None else zipf_catalog(alpha)
+    rng = np.random.default_rng(seed)
+    key = rng.choice(len(cat.names), size=n_requests, p=cat.popularity).astype(np.int32)
+    if poisson:
+        time_s = np.cumsum(rng.exponential(1.0 / rate_per_s, size=n_requests))
+    else:
+        time_s = np.arange(1, n_requests + 1, dtype=np.float64) / rate_per_s
+    return Trace(key, cat.tokens[key], cat.modality[key], time_s, cat.names, cat.popularity)
+
+
+# ---- MM-Session -------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class MMSessionConfig:
     """Workload knobs (see the module docstring)."""
@@ -81,7 +153,7 @@ def _session_starts(rng, n: int, cfg: MMSessionConfig) -> np.ndarray:
     return np.array(starts[:n])
 
 
-def generate(n_sessions: int, *, seed: int, cfg: MMSessionConfig | None = None) -> list[dict]:
+def mm_session(n_sessions: int, *, seed: int, cfg: MMSessionConfig | None = None) -> list[dict]:
     """Mooncake records (``timestamp`` ms, ``input_length``, ``output_length``, ``hash_ids``,
     plus ``session`` and ``turn``), sorted by time."""
     cfg = cfg or MMSessionConfig()
@@ -126,49 +198,13 @@ def _hash_blocks(segs, ids: dict) -> list[int]:
     for name, n in segs:
         off = 0
         while off < n:
-            take = min(n - off, BLOCK - fill)
+            take = min(n - off, BLOCK_TOKENS - fill)
             piece.append((name, off, take))
             off, fill = off + take, fill + take
-            if fill == BLOCK:
+            if fill == BLOCK_TOKENS:
                 parent = ids.setdefault((parent, tuple(piece)), len(ids))
                 blocks.append(parent)
                 piece, fill = [], 0
     if piece:
         blocks.append(ids.setdefault((parent, tuple(piece)), len(ids)))
     return blocks
-
-
-def write_jsonl(records: list[dict], path: str | Path) -> None:
-    """Writes records one per line (the Mooncake fields first)."""
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        for r in records:
-            f.write(json.dumps(r) + "\n")
-
-
-def main(argv: list[str] | None = None) -> int:
-    prog = "python -m jaxkv.kvlearn.mmsession"
-    p = argparse.ArgumentParser(prog=prog, description=__doc__)
-    p.add_argument("--sessions", type=cli_common.number(int, ge=1), default=500)
-    p.add_argument("--seed", type=cli_common.number(int, ge=0), default=0)
-    p.add_argument(
-        "--rate", type=cli_common.number(float, gt=0), default=2.0, help="session starts per second"
-    )
-    p.add_argument("--bursty", action="store_true")
-    p.add_argument("--out", required=True)
-    a = p.parse_args(argv)
-    try:
-        cli_common.check_output(a.out, flag="--out")
-    except ValueError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2
-    recs = generate(
-        a.sessions, seed=a.seed, cfg=MMSessionConfig(rate_per_s=a.rate, bursty=a.bursty)
-    )
-    write_jsonl(recs, a.out)
-    print(f"wrote {len(recs)} requests from {a.sessions} sessions to {a.out}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -13,10 +13,11 @@ import dataclasses
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import struct
 
-from jaxkv.kvlearn.features import N_FEATURES
+from jaxkv.kvlearn.core.features import N_FEATURES
 
 VAR_FLOOR = 1e-4  # added to the variance in whitening (std floored at 0.01)
 
@@ -49,18 +50,22 @@ class PRPNet(nn.Module):
     hidden: int
 
     @nn.compact
-    def __call__(self, x_BF):
-        h_BH = nn.relu(nn.Dense(self.hidden)(x_BF))
-        return nn.Dense(1)(h_BH)[..., 0]
+    def __call__(self, x_BI):
+        h_BU = nn.relu(nn.Dense(self.hidden)(x_BI))
+        return nn.Dense(1)(h_BU)[..., 0]
 
 
 @struct.dataclass
 class PRPState:
     """Attributes:
     params, opt_state: MLP parameters and Adam state.
-    n_obs, mean_F, m2_F: Welford whitening statistics.
-    buf_x_MF, buf_y_M: replay ring buffer (raw features, labels); buf_ptr, buf_size.
+    n_obs, mean_F, m2_F: Welford whitening statistics ([I] features).
+    buf_x_MF, buf_y_M: replay ring buffer ([M, I] raw features, [M] labels); buf_ptr, buf_size.
     labels_since: labels since the last training round.  n_labels, n_updates: totals.
+
+    The field names keep ``F`` for the feature axis (``I`` in the glossary): they are the
+    keypaths of every saved PRP checkpoint (``checkpoint.save_prp``), whose checksums and the
+    shipped ``results/kvlearn/prp_pretrained`` depend on them.
     """
 
     params: dict
@@ -101,41 +106,41 @@ def init_prp(cfg: PRPConfig, *, key) -> PRPState:
     )
 
 
-def observe(state: PRPState, x_F) -> PRPState:
+def observe(state: PRPState, x_I) -> PRPState:
     """Welford update of the whitening statistics with one feature vector."""
     n = state.n_obs + 1.0
-    delta = x_F - state.mean_F
+    delta = x_I - state.mean_F
     mean = state.mean_F + delta / n
-    return state.replace(n_obs=n, mean_F=mean, m2_F=state.m2_F + delta * (x_F - mean))
+    return state.replace(n_obs=n, mean_F=mean, m2_F=state.m2_F + delta * (x_I - mean))
 
 
-def whiten(state: PRPState, x_F):
+def whiten(state: PRPState, x_I):
     """(x − mean) / std with the running statistics (std floored at 1e-2)."""
-    return _whiten(state.n_obs, state.mean_F, state.m2_F, x_F)
+    return _whiten(state.n_obs, state.mean_F, state.m2_F, x_I)
 
 
-def _whiten(n_obs, mean_F, m2_F, x_F):
+def _whiten(n_obs, mean_F, m2_F, x_I):
     var = m2_F / jnp.maximum(n_obs, 1.0)
-    return (x_F - mean_F) * jax.lax.rsqrt(var + VAR_FLOOR)
+    return (x_I - mean_F) * jax.lax.rsqrt(var + VAR_FLOOR)
 
 
-def logits(params, x_whitened_F, *, hidden: int):
-    return PRPNet(hidden).apply({"params": params}, x_whitened_F)
+def logits(params, x_whitened_I, *, hidden: int):
+    return PRPNet(hidden).apply({"params": params}, x_whitened_I)
 
 
-def predict(state: PRPState, x_F, *, cfg: PRPConfig):
-    """P̂ ∈ (0, 1) for raw features ``x_F`` ([..., 16])."""
-    return jax.nn.sigmoid(logits(state.params, whiten(state, x_F), hidden=cfg.hidden))
+def predict(state: PRPState, x_I, *, cfg: PRPConfig):
+    """P̂ ∈ (0, 1) for raw features ``x_I`` ([..., 16])."""
+    return jax.nn.sigmoid(logits(state.params, whiten(state, x_I), hidden=cfg.hidden))
 
 
-def push_labels(state: PRPState, x_BF, y_B, mask_B) -> PRPState:
+def push_labels(state: PRPState, x_BI, y_B, mask_B) -> PRPState:
     """Appends the masked (x, y) rows to the replay ring buffer."""
     m = state.buf_y_M.shape[0]
     count = jnp.sum(mask_B, dtype=jnp.int32)
     pos_B = (state.buf_ptr + jnp.cumsum(mask_B, dtype=jnp.int32) - 1) % m
     idx_B = jnp.where(mask_B, pos_B, m)  # unmasked rows → dropped
     return state.replace(
-        buf_x_MF=state.buf_x_MF.at[idx_B].set(x_BF, mode="drop"),
+        buf_x_MF=state.buf_x_MF.at[idx_B].set(x_BI, mode="drop"),
         buf_y_M=state.buf_y_M.at[idx_B].set(y_B, mode="drop"),
         buf_ptr=(state.buf_ptr + count) % m,
         buf_size=jnp.minimum(state.buf_size + count, m),
@@ -144,12 +149,12 @@ def push_labels(state: PRPState, x_BF, y_B, mask_B) -> PRPState:
     )
 
 
-def push_one(state: PRPState, x_F, y, emit) -> PRPState:
+def push_one(state: PRPState, x_I, y, emit) -> PRPState:
     """Appends one (x, y) row if ``emit`` (a dynamic-update-slice: in place under donation)."""
     m = state.buf_y_M.shape[0]
     ptr = state.buf_ptr
     x_old, y_old = state.buf_x_MF[ptr], state.buf_y_M[ptr]
-    x_new = jnp.where(emit, x_F, x_old)
+    x_new = jnp.where(emit, x_I, x_old)
     y_new = jnp.where(emit, y, y_old)
     n = emit.astype(jnp.int32)
     return state.replace(
@@ -162,9 +167,9 @@ def push_one(state: PRPState, x_F, y, emit) -> PRPState:
     )
 
 
-def bce_loss(params, x_whitened_BF, y_B, *, hidden: int):
+def bce_loss(params, x_whitened_BI, y_B, *, hidden: int):
     """Mean binary cross-entropy of the logits against 0/1 labels."""
-    z_B = logits(params, x_whitened_BF, hidden=hidden)
+    z_B = logits(params, x_whitened_BI, hidden=hidden)
     return jnp.mean(optax.sigmoid_binary_cross_entropy(z_B, y_B))
 
 
@@ -174,7 +179,7 @@ def _minibatch_indices(buf_size, *, key, cfg: PRPConfig):
     return jax.vmap(draw)(jax.random.split(key, cfg.updates_per_round))
 
 
-def _fit(params, opt_state, x_UBF, y_UB, *, cfg: PRPConfig):
+def _fit(params, opt_state, x_ABI, y_AB, *, cfg: PRPConfig):
     """U Adam steps, one per whitened minibatch. Returns (params, opt_state)."""
     opt = _optimizer(cfg)
     grad_fn = jax.grad(bce_loss)
@@ -185,15 +190,15 @@ def _fit(params, opt_state, x_UBF, y_UB, *, cfg: PRPConfig):
         upd, opt_state = opt.update(grads, opt_state, params)
         return (optax.apply_updates(params, upd), opt_state), None
 
-    (params, opt_state), _ = jax.lax.scan(update, (params, opt_state), (x_UBF, y_UB))
+    (params, opt_state), _ = jax.lax.scan(update, (params, opt_state), (x_ABI, y_AB))
     return params, opt_state
 
 
 def train_round(state: PRPState, *, key, cfg: PRPConfig) -> PRPState:
     """``updates_per_round`` Adam steps on uniform minibatches from the replay buffer."""
-    idx_UB = _minibatch_indices(state.buf_size, key=key, cfg=cfg)
-    x_UBF = whiten(state, state.buf_x_MF[idx_UB])
-    params, opt_state = _fit(state.params, state.opt_state, x_UBF, state.buf_y_M[idx_UB], cfg=cfg)
+    idx_AB = _minibatch_indices(state.buf_size, key=key, cfg=cfg)
+    x_ABI = whiten(state, state.buf_x_MF[idx_AB])
+    params, opt_state = _fit(state.params, state.opt_state, x_ABI, state.buf_y_M[idx_AB], cfg=cfg)
     return state.replace(
         params=params, opt_state=opt_state, n_updates=state.n_updates + cfg.updates_per_round
     )
@@ -225,23 +230,23 @@ def maybe_train_batch(state_B: PRPState, *, key_B, cfg: PRPConfig, parallel: int
 
     def body(carry):
         pending_B, params_B, opt_B = carry
-        (sel_m,) = jnp.nonzero(pending_B, size=m, fill_value=b)
-        safe_m = jnp.minimum(sel_m, b - 1)
-        idx_mUB = jax.vmap(lambda n, k: _minibatch_indices(n, key=k, cfg=cfg))(
-            state_B.buf_size[safe_m], key_B[safe_m]
+        (sel_Q,) = jnp.nonzero(pending_B, size=m, fill_value=b)
+        safe_Q = jnp.minimum(sel_Q, b - 1)
+        idx_QAB = jax.vmap(lambda n, k: _minibatch_indices(n, key=k, cfg=cfg))(
+            state_B.buf_size[safe_Q], key_B[safe_Q]
         )
-        x_mUBF = state_B.buf_x_MF[safe_m[:, None, None], idx_mUB]
-        stats_m = (state_B.n_obs[safe_m], state_B.mean_F[safe_m], state_B.m2_F[safe_m])
-        x_mUBF = jax.vmap(_whiten)(*stats_m, x_mUBF)
-        y_mUB = state_B.buf_y_M[safe_m[:, None, None], idx_mUB]
-        take = lambda tree: jax.tree.map(lambda a: a[safe_m], tree)
+        x_QABI = state_B.buf_x_MF[safe_Q[:, None, None], idx_QAB]
+        stats_Q = (state_B.n_obs[safe_Q], state_B.mean_F[safe_Q], state_B.m2_F[safe_Q])
+        x_QABI = jax.vmap(_whiten)(*stats_Q, x_QABI)
+        y_QAB = state_B.buf_y_M[safe_Q[:, None, None], idx_QAB]
+        take = lambda tree: jax.tree.map(lambda a: a[safe_Q], tree)
         fit = jax.vmap(lambda p, o, x, y: _fit(p, o, x, y, cfg=cfg))
-        params_m, opt_m = fit(take(params_B), take(opt_B), x_mUBF, y_mUB)
+        params_Q, opt_Q = fit(take(params_B), take(opt_B), x_QABI, y_QAB)
         put = lambda tree, new: jax.tree.map(
-            lambda a, u: a.at[sel_m].set(u, mode="drop"), tree, new
+            lambda a, u: a.at[sel_Q].set(u, mode="drop"), tree, new
         )
-        pending_B = pending_B.at[sel_m].set(False, mode="drop")
-        return pending_B, put(params_B, params_m), put(opt_B, opt_m)
+        pending_B = pending_B.at[sel_Q].set(False, mode="drop")
+        return pending_B, put(params_B, params_Q), put(opt_B, opt_Q)
 
     carry = (due_B, state_B.params, state_B.opt_state)
     _, params_B, opt_B = jax.lax.while_loop(lambda c: jnp.any(c[0]), body, carry)
@@ -252,3 +257,47 @@ def maybe_train_batch(state_B: PRPState, *, key_B, cfg: PRPConfig, parallel: int
         labels_since=state_B.labels_since - n * cfg.train_every,
         n_updates=state_B.n_updates + n * cfg.updates_per_round,
     )
+
+
+# ---- host twins (numpy) ---------------------------------------------------------------------
+# The serving simulator's block KVLearn (``serving.predictors.HostPRP``) whitens and predicts on
+# the host, once per request, from the parameters the jitted rounds above produce. These are the
+# same formulas in float32 numpy: equal to ``observe`` + ``predict`` up to float rounding (a
+# batched Welford update instead of one row at a time, numpy's matmul and sqrt instead of XLA's),
+# which is why they are not replaced by the JAX functions: that changes the simulator's numbers.
+HostStats = tuple[np.float32, np.ndarray, np.ndarray]
+"""(n_obs, mean_I, m2_I): whitening statistics on the host (float32)."""
+
+
+def host_stats() -> HostStats:
+    """Empty statistics (nothing observed)."""
+    return np.float32(0.0), np.zeros(N_FEATURES, np.float32), np.zeros(N_FEATURES, np.float32)
+
+
+def host_observe(stats: HostStats, x_BI: np.ndarray) -> HostStats:
+    """The statistics after also observing the rows ``x_BI`` (batched Welford, Chan et al.)."""
+    n_obs, mean_I, m2_I = stats
+    nb = np.float32(len(x_BI))
+    mean_b = x_BI.mean(0, dtype=np.float32)
+    m2_b = ((x_BI - mean_b) ** 2).sum(0, dtype=np.float32)
+    n = n_obs + nb
+    delta = mean_b - mean_I
+    mean_I = mean_I + delta * nb / n
+    m2_I = m2_I + m2_b + delta**2 * n_obs * nb / n
+    return n, mean_I, m2_I
+
+
+def host_predict(params, stats: HostStats, x_BI: np.ndarray) -> np.ndarray:
+    """[B] P̂ of raw features ``x_BI`` whitened with ``stats`` (which must have observed them)."""
+    n, mean_I, m2_I = stats
+    inv_std_I = 1.0 / np.sqrt(m2_I / n + np.float32(VAR_FLOOR))
+    return host_forward(params, (x_BI - mean_I) * inv_std_I)
+
+
+def host_forward(params, z_BI: np.ndarray) -> np.ndarray:
+    """σ(PRPNet(z)) for whitened ``z_BI``: Dense(U) → ReLU → Dense(1), flax's parameter layout."""
+    d0, d1 = params["Dense_0"], params["Dense_1"]
+    h_BU = np.maximum(z_BI @ d0["kernel"] + d0["bias"], 0.0)
+    logit_B = (h_BU @ d1["kernel"] + d1["bias"])[:, 0]
+    with np.errstate(over="ignore"):  # exp(−logit) → inf gives P̂ = 0, as it should
+        return 1.0 / (1.0 + np.exp(-logit_B))

@@ -1,8 +1,9 @@
-"""Offline PRP pre-training: collect delayed labels by replaying a trace, then fit the MLP.
+"""Offline PRP pre-training: fit the MLP for several epochs on the labels of its replay buffer.
 
-Labels come from the same online pipeline as serving (``control.lookup`` / ``tick`` through the
-simulator), so features are computed identically; only the training schedule differs: several
-epochs over the replay buffer instead of one round per 100 labels.
+The labels come from the same online pipeline as serving (``sim.simulate.collect_labels``
+replays a trace through ``control.lookup`` / ``tick``), so features are computed identically;
+only the training schedule differs: several epochs over the replay buffer instead of one round
+per 100 labels.
 """
 
 from __future__ import annotations
@@ -12,23 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxkv.kvlearn import baselines as B
-from jaxkv.kvlearn import prp as prp_lib
-from jaxkv.kvlearn import simulate as S
-from jaxkv.kvlearn.traces import Trace
-
-
-def collect(trace: Trace, *, capacity_bytes: float, seed: int, sim_cfg: S.SimConfig, prp=None):
-    """Replays ``trace`` through online KVLearn; returns its final ``PRPState`` (labels in the
-    replay buffer, whitening statistics) and the run's events."""
-    kv_cfg = sim_cfg.kvlearn.replace(max_keys=trace.n_keys, max_blocks=trace.n_keys)
-    policy = B.kvlearn(cfg=kv_cfg)
-    inputs = S._inputs(trace, capacity_bytes=capacity_bytes, seed=seed, cost=sim_cfg.cost, prp=prp)
-    inputs = inputs.replace(key=jax.random.wrap_key_data(inputs.key))
-    reqs = S.sim_requests(trace, cost=sim_cfg.cost, seed=seed)
-    run = jax.jit(lambda r, i: S.scan_policy(policy, r, i, tick_every=sim_cfg.tick_every))
-    events, state = run(reqs, inputs)
-    return state.prp, events
+from jaxkv.kvlearn.core import prp as prp_lib
 
 
 def fit(
@@ -40,7 +25,7 @@ def fit(
         raise ValueError(f"only {n} labels collected; need at least batch_size={cfg.batch_size}")
     steps = n // cfg.batch_size
     opt = optax.adam(cfg.learning_rate)
-    x_MF = prp_lib.whiten(state, state.buf_x_MF[:n])
+    x_MI = prp_lib.whiten(state, state.buf_x_MF[:n])
     y_M = state.buf_y_M[:n]
 
     @jax.jit
@@ -51,13 +36,13 @@ def fit(
         def step(c, idx):
             p, o = c
             loss, g = jax.value_and_grad(prp_lib.bce_loss)(
-                p, x_MF[idx], y_M[idx], hidden=cfg.hidden
+                p, x_MI[idx], y_M[idx], hidden=cfg.hidden
             )
             u, o = opt.update(g, o, p)
             return (optax.apply_updates(p, u), o), loss
 
         (params, opt_state), losses = jax.lax.scan(step, (params, opt_state), perm)
-        z = prp_lib.logits(params, x_MF, hidden=cfg.hidden)
+        z = prp_lib.logits(params, x_MI, hidden=cfg.hidden)
         acc = jnp.mean((z > 0) == (y_M > 0.5))
         return (params, opt_state), (jnp.mean(losses), acc)
 
@@ -72,6 +57,7 @@ def fit(
 
 
 def label_stats(state: prp_lib.PRPState) -> dict:
+    """Labels seen in all, labels in the replay buffer and their positive share."""
     n = int(state.buf_size)
     y = np.asarray(state.buf_y_M[:n])
     return {

@@ -1,6 +1,6 @@
 """Per-prefix history, the PRP's 16 features, and delayed reuse labels.
 
-History is kept for every key ever requested (``[K]`` arrays), resident or not: after a block is
+History is kept for every key ever requested (``[P]`` arrays), resident or not: after a block is
 evicted or discarded its key stays as a *ghost*, so admission knows a prefix's past even when
 the pool does not hold it.
 
@@ -74,26 +74,26 @@ class History:
     """Per-key history and open label windows.
 
     One row per key, so recording a request reads and writes a single row in place (separate
-    [K] arrays cross-read each other and made XLA copy them on every call).
+    [P] arrays cross-read each other and made XLA copy them on every call).
 
     Attributes:
-        table_KP: [K, P] float32 columns N_REQ (requests so far), F_FAST / F_SLOW (decayed
+        table_PJ: [P, J] float32 columns N_REQ (requests so far), F_FAST / F_SLOW (decayed
             counts at LAST_T), FIRST_T / LAST_T (s), GAP (last inter-request gap, s), GHOST
             (misses after the key had been seen), N_EVICT, TOKENS, MODALITY, WIN_OPEN (0/1),
             WIN_T0 (window opening time), NEXT_OPEN (earliest next opening), WIN_X (16
             features stored when the window opened) and the outbox columns (see above).
     """
 
-    table_KP: jax.Array
+    table_PJ: jax.Array
 
     @property
-    def win_x_KF(self):
-        """[K, 16] features stored when each key's window opened."""
-        return self.table_KP[:, WIN_X]
+    def win_x_PI(self):
+        """[P, I] features stored when each key's window opened."""
+        return self.table_PJ[:, WIN_X]
 
     def col(self, c: int, keys=None):
         """Column ``c`` for ``keys`` (all keys when None)."""
-        return self.table_KP[:, c] if keys is None else self.table_KP[keys, c]
+        return self.table_PJ[:, c] if keys is None else self.table_PJ[keys, c]
 
 
 @struct.dataclass
@@ -107,25 +107,25 @@ class Signals:
 def init_history(max_keys: int) -> History:
     table = jnp.zeros((max_keys, N_COLS), jnp.float32)
     table = table.at[:, GAP].set(GAP_NEVER).at[:, TOKENS].set(1.0)
-    return History(table_KP=table)
+    return History(table_PJ=table)
 
 
-def observe_row(row_P, *, t, tokens, modality, hit, tau_fast_s, tau_slow_s):
+def observe_row(row_J, *, t, tokens, modality, hit, tau_fast_s, tau_slow_s):
     """A key's history row after one more request at time ``t`` (its lookup resolved ``hit``)."""
-    seen = row_P[N_REQ] > 0
-    dt = t - row_P[LAST_T]
+    seen = row_J[N_REQ] > 0
+    dt = t - row_J[LAST_T]
     new = {
-        N_REQ: row_P[N_REQ] + 1.0,
-        F_FAST: jnp.where(seen, row_P[F_FAST] * jnp.exp(-dt / tau_fast_s), 0.0) + 1.0,
-        F_SLOW: jnp.where(seen, row_P[F_SLOW] * jnp.exp(-dt / tau_slow_s), 0.0) + 1.0,
-        FIRST_T: jnp.where(seen, row_P[FIRST_T], t),
+        N_REQ: row_J[N_REQ] + 1.0,
+        F_FAST: jnp.where(seen, row_J[F_FAST] * jnp.exp(-dt / tau_fast_s), 0.0) + 1.0,
+        F_SLOW: jnp.where(seen, row_J[F_SLOW] * jnp.exp(-dt / tau_slow_s), 0.0) + 1.0,
+        FIRST_T: jnp.where(seen, row_J[FIRST_T], t),
         LAST_T: t,
         GAP: jnp.where(seen, dt, GAP_NEVER),
-        GHOST: row_P[GHOST] + (seen & ~hit),
+        GHOST: row_J[GHOST] + (seen & ~hit),
         TOKENS: tokens,
         MODALITY: modality,
     }
-    return _set(row_P, new)
+    return _set(row_J, new)
 
 
 def _set(row, new: dict):
@@ -136,14 +136,14 @@ def _set(row, new: dict):
 
 def count_evictions(hist: History, *, evicted_keys) -> History:
     """Adds one eviction to each key in ``evicted_keys`` (entries < 0 are ignored)."""
-    idx = jnp.where(evicted_keys >= 0, evicted_keys, hist.table_KP.shape[0])
-    return hist.replace(table_KP=hist.table_KP.at[idx, N_EVICT].add(1.0, mode="drop"))
+    idx = jnp.where(evicted_keys >= 0, evicted_keys, hist.table_PJ.shape[0])
+    return hist.replace(table_PJ=hist.table_PJ.at[idx, N_EVICT].add(1.0, mode="drop"))
 
 
 def featurize(hist: History, keys, *, t, signals: Signals, cost: CostModel, tau_fast_s, tau_slow_s):
     """[..., 16] float32 features of ``keys`` (any shape) at time ``t`` (see module table)."""
     return featurize_rows(
-        hist.table_KP[keys],
+        hist.table_PJ[keys],
         t=t,
         signals=signals,
         cost=cost,
@@ -152,9 +152,9 @@ def featurize(hist: History, keys, *, t, signals: Signals, cost: CostModel, tau_
     )
 
 
-def featurize_rows(rows_P, *, t, signals: Signals, cost: CostModel, tau_fast_s, tau_slow_s):
-    """[..., 16] features from history rows [..., 13]."""
-    col = lambda c: rows_P[..., c]
+def featurize_rows(rows_J, *, t, signals: Signals, cost: CostModel, tau_fast_s, tau_slow_s):
+    """[..., 16] features from history rows [..., J]."""
+    col = lambda c: rows_J[..., c]
     dt = jnp.maximum(t - col(LAST_T), 0.0)
     seen = col(N_REQ) > 0
     fast = jnp.where(seen, col(F_FAST) * jnp.exp(-dt / tau_fast_s), 0.0)
@@ -207,26 +207,26 @@ def label_posterior(hist: History, keys, p_hat, *, t, tau_s, prior_labels):
     """P̂ of ``keys`` refined by their own labels: (m·P̂ + Σ y) / (m + Σ 1), both sums decayed
     with time constant ``tau_s``; a Beta prior of m = ``prior_labels`` pseudo-labels centred on
     the MLP's prediction ``p_hat``."""
-    pos, n = _decayed(hist.table_KP[keys, LABELS], t=t, tau_s=tau_s)
+    pos, n = _decayed(hist.table_PJ[keys, LABELS], t=t, tau_s=tau_s)
     return (prior_labels * p_hat + pos) / (prior_labels + n)
 
 
-def resolve_row(row_P, *, t, horizon_s):
+def resolve_row(row_J, *, t, horizon_s):
     """Closes the row's open window at a new request: label 1 within H, else 0.
 
     Returns:
-        (row_P, y, emitted): the label and whether a window was open to emit it.
+        (row_J, y, emitted): the label and whether a window was open to emit it.
     """
-    emitted = row_P[WIN_OPEN] > 0
-    y = (t - row_P[WIN_T0] <= horizon_s).astype(jnp.float32)
-    return row_P.at[WIN_OPEN].set(0.0), y, emitted
+    emitted = row_J[WIN_OPEN] > 0
+    y = (t - row_J[WIN_T0] <= horizon_s).astype(jnp.float32)
+    return row_J.at[WIN_OPEN].set(0.0), y, emitted
 
 
-def open_row(row_P, *, t, horizon_s):
-    """Opens a window at ``t`` if none is open and H has passed. Returns (row_P, opened)."""
-    do = (row_P[WIN_OPEN] == 0) & (t >= row_P[NEXT_OPEN])
+def open_row(row_J, *, t, horizon_s):
+    """Opens a window at ``t`` if none is open and H has passed. Returns (row_J, opened)."""
+    do = (row_J[WIN_OPEN] == 0) & (t >= row_J[NEXT_OPEN])
     new = {WIN_OPEN: 1.0, WIN_T0: t, NEXT_OPEN: t + horizon_s}
-    return jnp.where(do, _set(row_P, new), row_P), do
+    return jnp.where(do, _set(row_J, new), row_J), do
 
 
 def record_request(
@@ -235,12 +235,12 @@ def record_request(
     """Everything a request does to the history, reading and writing ``key``'s rows once.
 
     Resolves the open window (label), adds the request, featurizes the key with
-    ``featurize_fn(row_P)`` and opens a new window if due.
+    ``featurize_fn(row_J)`` and opens a new window if due.
 
     Returns:
-        (hist, x_F, (label_x_F, label_y, label_emitted)).
+        (hist, x_I, (label_x_I, label_y, label_emitted)).
     """
-    row = hist.table_KP[key]
+    row = hist.table_PJ[key]
     x_win = row[WIN_X]
     row, y, emitted = resolve_row(row, t=t, horizon_s=horizon_s)
     row = row.at[LABELS].set(_add_label(row[LABELS], y, emitted, t=t, tau_s=tau_slow_s))
@@ -253,42 +253,42 @@ def record_request(
         tau_fast_s=tau_fast_s,
         tau_slow_s=tau_slow_s,
     )
-    x_F = featurize_fn(row)
+    x_I = featurize_fn(row)
     row, opened = open_row(row, t=t, horizon_s=horizon_s)
     row = (
         row.at[WIN_X]
-        .set(jnp.where(opened, x_F, x_win))
+        .set(jnp.where(opened, x_I, x_win))
         .at[OUT_LABEL_X]
         .set(x_win)
         .at[OUT_X]
-        .set(x_F)
+        .set(x_I)
         .at[OUT_Y]
         .set(y)
         .at[OUT_EMIT]
         .set(emitted.astype(jnp.float32))
     )
-    table = jax.lax.dynamic_update_slice(hist.table_KP, row[None], (key, 0))
+    table = jax.lax.dynamic_update_slice(hist.table_PJ, row[None], (key, 0))
     out = table[key]  # read back after the write (see OUT_* above)
     label = (out[OUT_LABEL_X], out[OUT_Y], out[OUT_EMIT] > 0)
-    return hist.replace(table_KP=table), out[OUT_X], label
+    return hist.replace(table_PJ=table), out[OUT_X], label
 
 
 def expire_windows(hist: History, *, t, horizon_s, tau_s):
     """Closes every window older than H with label 0 (also added to the key's label sums,
-    decayed with ``tau_s``). Returns (hist, x_KF, mask_K)."""
-    mask_K = (hist.col(WIN_OPEN) > 0) & (t - hist.col(WIN_T0) > horizon_s)
-    table = hist.table_KP.at[:, WIN_OPEN].set(jnp.where(mask_K, 0.0, hist.col(WIN_OPEN)))
-    sums = _add_label(table[:, LABELS], 0.0, mask_K, t=t, tau_s=tau_s)
-    return hist.replace(table_KP=table.at[:, LABELS].set(sums)), hist.table_KP[:, WIN_X], mask_K
+    decayed with ``tau_s``). Returns (hist, x_PI, mask_P)."""
+    mask_P = (hist.col(WIN_OPEN) > 0) & (t - hist.col(WIN_T0) > horizon_s)
+    table = hist.table_PJ.at[:, WIN_OPEN].set(jnp.where(mask_P, 0.0, hist.col(WIN_OPEN)))
+    sums = _add_label(table[:, LABELS], 0.0, mask_P, t=t, tau_s=tau_s)
+    return hist.replace(table_PJ=table.at[:, LABELS].set(sums)), hist.table_PJ[:, WIN_X], mask_P
 
 
-def open_windows(hist: History, *, t, keys_C, x_CF, live_C, horizon_s) -> History:
-    """Opens windows (features ``x_CF``) for the resident blocks ``keys_C`` that have none and are
+def open_windows(hist: History, *, t, keys_Z, x_ZI, live_Z, horizon_s) -> History:
+    """Opens windows (features ``x_ZI``) for the resident blocks ``keys_Z`` that have none and are
     due one. Keys outside the pool get windows only at their requests, so long-gone prefixes
     do not flood the replay buffer with negatives."""
-    rows = hist.table_KP[keys_C]
-    do_C = live_C & (rows[:, WIN_OPEN] == 0) & (t >= rows[:, NEXT_OPEN])
-    idx_C = jnp.where(do_C, keys_C, hist.table_KP.shape[0])  # others → dropped
+    rows = hist.table_PJ[keys_Z]
+    do_Z = live_Z & (rows[:, WIN_OPEN] == 0) & (t >= rows[:, NEXT_OPEN])
+    idx_Z = jnp.where(do_Z, keys_Z, hist.table_PJ.shape[0])  # others → dropped
     new = rows.at[:, WIN_OPEN].set(1.0).at[:, WIN_T0].set(t).at[:, NEXT_OPEN].set(t + horizon_s)
-    new = new.at[:, WIN_X].set(x_CF)
-    return hist.replace(table_KP=hist.table_KP.at[idx_C].set(new, mode="drop"))
+    new = new.at[:, WIN_X].set(x_ZI)
+    return hist.replace(table_PJ=hist.table_PJ.at[idx_Z].set(new, mode="drop"))

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.kvlearn import control
+from jaxkv.kvlearn.core import control
 from jaxkv.kvlearn.traces import MAX_TOKENS, MODALITIES
 
 _lookup = jax.jit(control.lookup, static_argnames="cfg", donate_argnums=0)
@@ -124,14 +124,14 @@ class Coordinator:
         t = (self._clock() - self._t0) if now is None else now
         self.state = _tick(self.state, jnp.float32(t), cfg=self.cfg)
 
-    def feed_labels(self, x_BF, y_B) -> None:
+    def feed_labels(self, x_BI, y_B) -> None:
         """Adds externally observed (features, label) pairs to the PRP's replay buffer."""
         y = jnp.asarray(y_B, jnp.float32)
-        self.state = _feed(self.state, jnp.asarray(x_BF, jnp.float32), y, jnp.ones(y.shape, bool))
+        self.state = _feed(self.state, jnp.asarray(x_BI, jnp.float32), y, jnp.ones(y.shape, bool))
 
     def resident(self) -> list[str]:
         """Keys of the blocks in the pool."""
-        keys = np.asarray(self.state.pool.key_C)
+        keys = np.asarray(self.state.pool.key_Z)
         return [self._names[k] for k in keys[keys >= 0]]
 
     def stats(self) -> dict:

@@ -72,9 +72,9 @@ def observe_hit(state: ATCState, hit, *, cfg: ATCConfig) -> ATCState:
     return state.replace(hit_rate=h)
 
 
-def pressure(*, density_C, kib_C, live_C, theta, capacity_kib):
+def pressure(*, density_Z, kib_Z, live_Z, theta, capacity_kib):
     """ρ(θ): share of capacity held by resident blocks with ν > θ."""
-    kept = jnp.sum(jnp.where(live_C & (density_C > theta), kib_C, 0).astype(jnp.float32))
+    kept = jnp.sum(jnp.where(live_Z & (density_Z > theta), kib_Z, 0).astype(jnp.float32))
     return kept / jnp.maximum(capacity_kib.astype(jnp.float32), 1.0)
 
 

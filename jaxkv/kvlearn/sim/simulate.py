@@ -20,11 +20,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.kvlearn import baselines as B
-from jaxkv.kvlearn import control
+from jaxkv.kvlearn.core import control
+from jaxkv.kvlearn.core import prp as prp_lib
+from jaxkv.kvlearn.core.pool import MAX_CAPACITY_KIB, block_kib, bytes_to_kib
 from jaxkv.kvlearn.cost import GIB, CostModel
-from jaxkv.kvlearn.pool import MAX_CAPACITY_KIB, block_kib, bytes_to_kib
+from jaxkv.kvlearn.sim import policies as policies_lib
+from jaxkv.kvlearn.sim.policies import oracle_static
+from jaxkv.kvlearn.sim.policies.base import (
+    Event,
+    PolicySetup,
+    PoolPolicy,
+    RunInputs,
+    SimRequest,
+)
 from jaxkv.kvlearn.traces import Progress, Trace, next_use_index
+from jaxkv.kvlearn.workloads import zipf_multimodal
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,11 +57,11 @@ class SimConfig:
         return self.kvlearn.cost
 
 
-def sim_requests(trace: Trace, *, cost: CostModel, seed: int) -> B.SimRequest:
-    """[N] numpy arrays of the request stream for one run (block sizes saturate at
+def sim_requests(trace: Trace, *, cost: CostModel, seed: int) -> SimRequest:
+    """[R] numpy arrays of the request stream for one run (block sizes saturate at
     ``pool.MAX_KIB`` KiB, larger than any pool)."""
     n, bpt = len(trace), cost.shape.bytes_per_token
-    return B.SimRequest(
+    return SimRequest(
         key=trace.key.astype(np.int32),
         tokens=trace.tokens.astype(np.int32),
         modality=trace.modality.astype(np.int32),
@@ -63,8 +73,8 @@ def sim_requests(trace: Trace, *, cost: CostModel, seed: int) -> B.SimRequest:
     )
 
 
-def scan_policy(policy: B.Policy, reqs: B.SimRequest, inputs: B.RunInputs, *, tick_every: int):
-    """(events [N], final state) of one run; pure, jit/vmap-able."""
+def scan_policy(policy: PoolPolicy, reqs: SimRequest, inputs: RunInputs, *, tick_every: int):
+    """(events [R], final state) of one run; pure, jit/vmap-able."""
     n = reqs.key.shape[0]
     n_chunks, rem = divmod(n, tick_every)
     state = policy.init(inputs)
@@ -84,10 +94,10 @@ def scan_policy(policy: B.Policy, reqs: B.SimRequest, inputs: B.RunInputs, *, ti
 
 
 def scan_policy_batch(
-    policy: B.Policy, reqs_B: B.SimRequest, inputs_B: B.RunInputs, *, tick_every: int
+    policy: PoolPolicy, reqs_B: SimRequest, inputs_B: RunInputs, *, tick_every: int
 ):
     """``scan_policy`` for B runs at once (leading run axis on ``reqs_B`` and ``inputs_B``, except
-    ``inputs_B.prp``, shared): (events [B, N], final states).
+    ``inputs_B.prp``, shared): (events [B, R], final states).
 
     Each request step (the policy's ``step_vmap`` if it has one) is vmapped over runs, and so
     is each tick unless the policy has a ``tick_batch`` (KVLearn: only the runs due a PRP
@@ -95,11 +105,11 @@ def scan_policy_batch(
     """
     n = reqs_B.key.shape[1]
     n_chunks, rem = divmod(n, tick_every)
-    axes = B.RunInputs(capacity_kib=0, keep_K=0, key=0, prp=None)
+    axes = RunInputs(capacity_kib=0, keep_P=0, key=0, prp=None)
     state = jax.vmap(policy.init, in_axes=(axes,))(inputs_B)
     steps = jax.vmap(lambda s, r: jax.lax.scan(policy.step_vmap or policy.step, s, r))
     tick = policy.tick_batch or jax.vmap(policy.tick)
-    # [B, N] → [chunks, B, tick_every]
+    # [B, R] → [chunks, B, tick_every]
     head = jax.tree.map(
         lambda a: a[:, : n_chunks * tick_every].reshape(-1, n_chunks, tick_every).swapaxes(0, 1),
         reqs_B,
@@ -118,12 +128,12 @@ def scan_policy_batch(
     return events, state
 
 
-def _scan_run(policy: B.Policy, reqs: B.SimRequest, inputs: B.RunInputs, *, tick_every: int):
+def _scan_run(policy: PoolPolicy, reqs: SimRequest, inputs: RunInputs, *, tick_every: int):
     events, state = scan_policy(policy, reqs, inputs, tick_every=tick_every)
     return events, policy.diag(state)
 
 
-def _scan_run_batch(policy: B.Policy, reqs_B, inputs_B, *, tick_every: int):
+def _scan_run_batch(policy: PoolPolicy, reqs_B, inputs_B, *, tick_every: int):
     events, state = scan_policy_batch(policy, reqs_B, inputs_B, tick_every=tick_every)
     return events, jax.vmap(policy.diag)(state)
 
@@ -157,14 +167,14 @@ def _runner(
         max_blocks=max_keys,
         max_victims=min(sim_cfg.kvlearn.max_victims, max_victims),
     )
-    policy = B.make_policy(
-        name,
+    setup = PolicySetup(
         max_keys=max_keys,
         n_requests=n_requests,
-        kvlearn_cfg=kv_cfg,
-        p_admit=sim_cfg.p_admit,
         max_victims=max_victims,
+        p_admit=sim_cfg.p_admit,
+        kvlearn=kv_cfg,
     )
+    policy = policies_lib.make_policy(name, setup)
     scan_run = _scan_run_batch if batched else _scan_run
     return jax.jit(functools.partial(scan_run, policy, tick_every=sim_cfg.tick_every))
 
@@ -176,18 +186,18 @@ def _inputs(trace: Trace, *, capacity_bytes: float, seed: int, cost: CostModel, 
             f"got {capacity_bytes}"
         )
     popularity = trace.popularity if trace.popularity is not None else trace.empirical_popularity()
-    tokens_K = np.ones(trace.n_keys, np.int64)
-    tokens_K[trace.key] = trace.tokens
-    keep = B.static_oracle_set(
-        popularity_K=popularity,
-        tokens_K=tokens_K,
+    tokens_P = np.ones(trace.n_keys, np.int64)
+    tokens_P[trace.key] = trace.tokens
+    keep = oracle_static.static_oracle_set(
+        popularity_P=popularity,
+        tokens_P=tokens_P,
         cost=cost,
         capacity_bytes=capacity_bytes,
         max_blocks=trace.n_keys,
     )
-    return B.RunInputs(
+    return RunInputs(
         capacity_kib=np.int32(bytes_to_kib(int(capacity_bytes))),
-        keep_K=keep,
+        keep_P=keep,
         key=jax.random.key_data(jax.random.key(seed)),
         prp=prp,
     )
@@ -262,7 +272,7 @@ def _host(diag: dict) -> dict:
     return {k: np.asarray(v).item() for k, v in diag.items()}
 
 
-def metrics(name: str, trace: Trace, events: B.Event, *, cost: CostModel) -> dict:
+def metrics(name: str, trace: Trace, events: Event, *, cost: CostModel) -> dict:
     """TTFT mean/p50/p99 (ms), request and byte hit rate, transfer (GiB), admits, evictions,
     discards (misses not admitted), from per-request events."""
     hit = np.asarray(events.hit, bool)
@@ -289,7 +299,7 @@ def compare(
     *,
     capacity_bytes: float,
     seed: int = 0,
-    policies=B.POLICIES,
+    policies=policies_lib.POOL_POLICIES,
     sim_cfg: SimConfig | None = None,
     prp=None,
     progress: Progress | None = None,
@@ -312,7 +322,7 @@ def sweep(
     alphas,
     pools_gib,
     seeds,
-    policies=B.POLICIES,
+    policies=policies_lib.POOL_POLICIES,
     sim_cfg: SimConfig | None = None,
     prp=None,
     mode: str = "vmap",
@@ -329,8 +339,6 @@ def sweep(
     """
     if mode not in ("vmap", "loop"):
         raise ValueError(f"sweep mode must be 'vmap' or 'loop', got {mode!r}")
-    from jaxkv.kvlearn.traces import zipf_multimodal
-
     cells = [(a, g, s) for a in alphas for g in pools_gib for s in seeds]
     if not cells:
         raise ValueError("sweep: empty grid")
@@ -375,3 +383,20 @@ def summarize(rows: list[dict], *, keys=("ttft_ms_mean", "hit_rate", "transfer_g
             }
         out.append(row)
     return out
+
+
+def collect_labels(
+    trace: Trace, *, capacity_bytes: float, seed: int, sim_cfg: SimConfig, prp=None
+) -> tuple[prp_lib.PRPState, Event]:
+    """Replays ``trace`` through online KVLearn (``core.pretrain`` fits the MLP on the result);
+    returns its final ``PRPState`` (labels in the replay buffer, whitening statistics) and the
+    run's events."""
+    kv_cfg = sim_cfg.kvlearn.replace(max_keys=trace.n_keys, max_blocks=trace.n_keys)
+    setup = PolicySetup(max_keys=trace.n_keys, n_requests=len(trace), kvlearn=kv_cfg)
+    policy = policies_lib.make_policy("kvlearn", setup)
+    inputs = _inputs(trace, capacity_bytes=capacity_bytes, seed=seed, cost=sim_cfg.cost, prp=prp)
+    inputs = inputs.replace(key=jax.random.wrap_key_data(inputs.key))
+    reqs = sim_requests(trace, cost=sim_cfg.cost, seed=seed)
+    run = jax.jit(lambda r, i: scan_policy(policy, r, i, tick_every=sim_cfg.tick_every))
+    events, state = run(reqs, inputs)
+    return state.prp, events

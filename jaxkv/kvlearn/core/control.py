@@ -16,11 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxkv.kvlearn import atc as atc_lib
-from jaxkv.kvlearn import cars as cars_lib
-from jaxkv.kvlearn import features as F
-from jaxkv.kvlearn import pool as pool_lib
-from jaxkv.kvlearn import prp as prp_lib
+from jaxkv.kvlearn.core import atc as atc_lib
+from jaxkv.kvlearn.core import cars as cars_lib
+from jaxkv.kvlearn.core import features as features_lib
+from jaxkv.kvlearn.core import pool as pool_lib
+from jaxkv.kvlearn.core import prp as prp_lib
 from jaxkv.kvlearn.cost import GIB, CostModel
 
 
@@ -32,7 +32,7 @@ class KVLearnConfig:
         cost: the serving system's cost model.
         prp: the PRP; 8 Adam steps per training round (quality as with 32 on the tuning
             seeds, a quarter of the training time).
-        max_blocks: block-table slots C.   max_keys: key ids K with per-key history.
+        max_blocks: block-table slots Z.   max_keys: key ids P with per-key history.
         horizon_s: label horizon H.        tau_fast_s, tau_slow_s: feature decay times.
         storage_dt_s: Δt of U; None = one mean inter-arrival time (see ``cars.py``).
         ema_decay: per-request decay of the R̄ and λ estimates.
@@ -102,7 +102,7 @@ class KVLearnState:
     """Everything that changes per request: pool, history, PRP, ATC, estimates, counters, key."""
 
     pool: pool_lib.Pool
-    hist: F.History
+    hist: features_lib.History
     prp: prp_lib.PRPState
     atc: atc_lib.ATCState
     r_bar_ms: jax.Array
@@ -118,7 +118,7 @@ class AdmitResult:
 
     admitted: jax.Array
     n_evicted: jax.Array
-    evicted_keys: jax.Array  # [V] key ids of the victims in eviction order, -1 padded
+    evicted_keys: jax.Array  # [E] key ids of the victims in eviction order, -1 padded
     p_hat: jax.Array  # the P̂ decided with: the MLP's, refined by the key's labels (prior_labels)
     cars_ms: jax.Array
     density: jax.Array
@@ -141,7 +141,7 @@ def init(cfg: KVLearnConfig, *, capacity_bytes, key, prp_state=None) -> KVLearnS
             capacity_kib=cap_kib,
             max_victims=cfg.max_victims,
         ),
-        hist=F.init_history(cfg.max_keys),
+        hist=features_lib.init_history(cfg.max_keys),
         prp=prp_state if prp_state is not None else prp_lib.init_prp(cfg.prp, key=k_prp),
         atc=atc_lib.init_atc(cfg.atc),
         r_bar_ms=zf(),
@@ -156,13 +156,13 @@ def _capacity_bytes(state: KVLearnState):
     return state.pool.capacity_kib.astype(jnp.float32) * 1024.0
 
 
-def _signals(state: KVLearnState) -> F.Signals:
+def _signals(state: KVLearnState) -> features_lib.Signals:
     occ = state.pool.used_kib / jnp.maximum(state.pool.capacity_kib, 1)
-    return F.Signals(occupancy=occ.astype(jnp.float32), hit_rate=state.atc.hit_rate)
+    return features_lib.Signals(occupancy=occ.astype(jnp.float32), hit_rate=state.atc.hit_rate)
 
 
 def _featurize(state: KVLearnState, keys, t, cfg: KVLearnConfig):
-    return F.featurize(
+    return features_lib.featurize(
         state.hist,
         keys,
         t=t,
@@ -173,11 +173,11 @@ def _featurize(state: KVLearnState, keys, t, cfg: KVLearnConfig):
     )
 
 
-def _score(state: KVLearnState, keys, x_F, tokens, t, cfg: KVLearnConfig):
+def _score(state: KVLearnState, keys, x_I, tokens, t, cfg: KVLearnConfig):
     """(P̂, CARS ms, ν) of ``keys`` at ``t`` from their features."""
-    p_hat = prp_lib.predict(state.prp, x_F, cfg=cfg.prp)
+    p_hat = prp_lib.predict(state.prp, x_I, cfg=cfg.prp)
     if cfg.prior_labels is not None:
-        p_hat = F.label_posterior(
+        p_hat = features_lib.label_posterior(
             state.hist, keys, p_hat, t=t, tau_s=cfg.tau_slow_s, prior_labels=cfg.prior_labels
         )
     dt = (
@@ -221,7 +221,7 @@ def lookup(state: KVLearnState, req: Request, *, cfg: KVLearnConfig):
     state = _update_estimates(state, req, cfg)
     state = state.replace(atc=atc_lib.observe_hit(state.atc, hit, cfg=cfg.atc))
     signals = _signals(state)
-    hist, x_F, (x_lab, y_lab, emitted) = F.record_request(
+    hist, x_I, (x_lab, y_lab, emitted) = features_lib.record_request(
         state.hist,
         key=req.key,
         t=req.time,
@@ -231,7 +231,7 @@ def lookup(state: KVLearnState, req: Request, *, cfg: KVLearnConfig):
         horizon_s=cfg.horizon_s,
         tau_fast_s=cfg.tau_fast_s,
         tau_slow_s=cfg.tau_slow_s,
-        featurize_fn=lambda row: F.featurize_rows(
+        featurize_fn=lambda row: features_lib.featurize_rows(
             row,
             t=req.time,
             signals=signals,
@@ -241,10 +241,10 @@ def lookup(state: KVLearnState, req: Request, *, cfg: KVLearnConfig):
         ),
     )
     prp = prp_lib.push_one(state.prp, x_lab, y_lab, emitted)
-    state = state.replace(hist=hist, prp=prp_lib.observe(prp, x_F))
-    _, value, density = _score(state, req.key, x_F, req.tokens, req.time, cfg)
+    state = state.replace(hist=hist, prp=prp_lib.observe(prp, x_I))
+    _, value, density = _score(state, req.key, x_I, req.tokens, req.time, cfg)
     pool = pool_lib.set_entry(
-        state.pool, slot=state.pool.slot_K[req.key], rank=density, value=value
+        state.pool, slot=state.pool.slot_P[req.key], rank=density, value=value
     )
     c = state.counters
     gib = cfg.cost.footprint_bytes(req.tokens.astype(jnp.float32)) / GIB
@@ -263,8 +263,8 @@ def admit(state: KVLearnState, req: Request, *, cfg: KVLearnConfig, active=True)
     at once (a vmapped simulator) use it instead of a ``lax.cond``, which ``vmap`` would turn
     into a select over the whole state.
     """
-    x_F = _featurize(state, req.key, req.time, cfg)
-    p_hat, value, density = _score(state, req.key, x_F, req.tokens, req.time, cfg)
+    x_I = _featurize(state, req.key, req.time, cfg)
+    p_hat, value, density = _score(state, req.key, x_I, req.tokens, req.time, cfg)
     kib = pool_lib.block_kib(req.tokens, bytes_per_token=cfg.cost.shape.bytes_per_token)
     gate = active & cars_lib.keep(density, state.atc.theta)
     pool, admitted, victims = pool_lib.admit(
@@ -277,9 +277,9 @@ def admit(state: KVLearnState, req: Request, *, cfg: KVLearnConfig, active=True)
         rule="value",
         margin=cfg.swap_margin,
     )
-    evicted_V = victims.key_V
-    hist = F.count_evictions(state.hist, evicted_keys=evicted_V)
-    n_ev = jnp.sum(evicted_V >= 0, dtype=jnp.int32)
+    evicted_E = victims.key_E
+    hist = features_lib.count_evictions(state.hist, evicted_keys=evicted_E)
+    n_ev = jnp.sum(evicted_E >= 0, dtype=jnp.int32)
     c = state.counters
     gib = cfg.cost.footprint_bytes(req.tokens.astype(jnp.float32)) / GIB
     counters = c.replace(
@@ -288,30 +288,30 @@ def admit(state: KVLearnState, req: Request, *, cfg: KVLearnConfig, active=True)
         discards=c.discards + (active & ~admitted),
         transfer_gib=c.transfer_gib + jnp.where(admitted, gib, 0.0),
     )
-    result = AdmitResult(admitted, n_ev, evicted_V, p_hat, value, density, state.atc.theta)
+    result = AdmitResult(admitted, n_ev, evicted_E, p_hat, value, density, state.atc.theta)
     return state.replace(pool=pool, hist=hist, counters=counters), result
 
 
-def feed_labels(state: KVLearnState, x_BF, y_B, mask_B=None) -> KVLearnState:
+def feed_labels(state: KVLearnState, x_BI, y_B, mask_B=None) -> KVLearnState:
     """Adds externally observed (features, reuse label) pairs to the PRP's replay buffer."""
     if mask_B is None:
         mask_B = jnp.ones(y_B.shape, bool)
-    return state.replace(prp=prp_lib.push_labels(state.prp, x_BF, y_B.astype(jnp.float32), mask_B))
+    return state.replace(prp=prp_lib.push_labels(state.prp, x_BI, y_B.astype(jnp.float32), mask_B))
 
 
 def _resident_features(state: KVLearnState, t, cfg: KVLearnConfig):
-    keys_C = jnp.maximum(state.pool.key_C, 0)
-    return keys_C, _featurize(state, keys_C, t, cfg)
+    keys_Z = jnp.maximum(state.pool.key_Z, 0)
+    return keys_Z, _featurize(state, keys_Z, t, cfg)
 
 
-def rescore_pool(state: KVLearnState, t, *, cfg: KVLearnConfig, x_CF=None) -> KVLearnState:
-    """Re-scores every resident block at time ``t`` (``x_CF``: their features, if computed)."""
-    keys_C = jnp.maximum(state.pool.key_C, 0)
-    if x_CF is None:
-        x_CF = _featurize(state, keys_C, t, cfg)
-    tokens_C = state.hist.col(F.TOKENS, keys_C)
-    _, value_C, density_C = _score(state, keys_C, x_CF, tokens_C, t, cfg)
-    return state.replace(pool=pool_lib.set_ranks(state.pool, rank_C=density_C, value_C=value_C))
+def rescore_pool(state: KVLearnState, t, *, cfg: KVLearnConfig, x_ZI=None) -> KVLearnState:
+    """Re-scores every resident block at time ``t`` (``x_ZI``: their features, if computed)."""
+    keys_Z = jnp.maximum(state.pool.key_Z, 0)
+    if x_ZI is None:
+        x_ZI = _featurize(state, keys_Z, t, cfg)
+    tokens_Z = state.hist.col(features_lib.TOKENS, keys_Z)
+    _, value_Z, density_Z = _score(state, keys_Z, x_ZI, tokens_Z, t, cfg)
+    return state.replace(pool=pool_lib.set_ranks(state.pool, rank_Z=density_Z, value_Z=value_Z))
 
 
 def tick(state: KVLearnState, t, *, cfg: KVLearnConfig) -> KVLearnState:
@@ -338,22 +338,22 @@ def tick_batch(state_B: KVLearnState, t_B, *, cfg: KVLearnConfig) -> KVLearnStat
 
 def tick_maintenance(state: KVLearnState, t, *, cfg: KVLearnConfig) -> KVLearnState:
     """``tick`` without the PRP training round: labels, re-scoring and the ATC step."""
-    hist, x_KF, mask_K = F.expire_windows(
+    hist, x_PI, mask_P = features_lib.expire_windows(
         state.hist, t=t, horizon_s=cfg.horizon_s, tau_s=cfg.tau_slow_s
     )
-    prp = prp_lib.push_labels(state.prp, x_KF, jnp.zeros(mask_K.shape, jnp.float32), mask_K)
+    prp = prp_lib.push_labels(state.prp, x_PI, jnp.zeros(mask_P.shape, jnp.float32), mask_P)
     state = state.replace(hist=hist, prp=prp)
-    keys_C, x_CF = _resident_features(state, t, cfg)
-    live_C = pool_lib.resident(state.pool)
-    hist = F.open_windows(
-        state.hist, t=t, keys_C=keys_C, x_CF=x_CF, live_C=live_C, horizon_s=cfg.horizon_s
+    keys_Z, x_ZI = _resident_features(state, t, cfg)
+    live_Z = pool_lib.resident(state.pool)
+    hist = features_lib.open_windows(
+        state.hist, t=t, keys_Z=keys_Z, x_ZI=x_ZI, live_Z=live_Z, horizon_s=cfg.horizon_s
     )
-    state = rescore_pool(state.replace(hist=hist), t, cfg=cfg, x_CF=x_CF)
+    state = rescore_pool(state.replace(hist=hist), t, cfg=cfg, x_ZI=x_ZI)
     p = state.pool
     rho = atc_lib.pressure(
-        density_C=p.rank_C,
-        kib_C=p.kib_C,
-        live_C=pool_lib.resident(p),
+        density_Z=p.rank_Z,
+        kib_Z=p.kib_Z,
+        live_Z=pool_lib.resident(p),
         theta=state.atc.theta,
         capacity_kib=p.capacity_kib,
     )

@@ -13,8 +13,8 @@ from pathlib import Path
 import jax
 
 from jaxkv import checkpoint as checkpoint_lib
-from jaxkv.kvlearn import features as F
-from jaxkv.kvlearn import prp as prp_lib
+from jaxkv.kvlearn.core import features as features_lib
+from jaxkv.kvlearn.core import prp as prp_lib
 
 
 def save_prp(
@@ -28,7 +28,7 @@ def save_prp(
     """
     meta = {
         "prp_config": dataclasses.asdict(cfg),
-        "features_version": F.FEATURES_VERSION,
+        "features_version": features_lib.FEATURES_VERSION,
         "info": info or {},
     }
     checkpoint_lib.save(path, state, meta)
@@ -56,10 +56,10 @@ def load_prp(path: str | Path) -> tuple[prp_lib.PRPState, prp_lib.PRPConfig, dic
         )
     meta = checkpoint_lib.read_meta(path)
     version = meta.get("features_version", 1)
-    if version != F.FEATURES_VERSION:
+    if version != features_lib.FEATURES_VERSION:
         raise ValueError(
             f"{path} holds a PRP trained on features version {version}; this jaxkv computes "
-            f"version {F.FEATURES_VERSION}: re-train it (python -m jaxkv.train kvlearn)"
+            f"version {features_lib.FEATURES_VERSION}: re-train it (python -m jaxkv.train kvlearn)"
         )
     try:
         cfg = prp_lib.PRPConfig(**meta["prp_config"])

@@ -1,0 +1,46 @@
+"""The serving simulator's block policies (``BlockPolicy``): one module each, and their registry.
+
+    no_cache       recompute everything (an empty pool).
+    lru            LRU-Pool: blocks as independent keys, LRU over all blocks, admit every
+                   computed block; eviction may strand descendants. (The Zipf simulator's
+                   ``lru`` is this rule on whole prefixes, where it is also Mooncake's.)
+    mooncake       Mooncake-style prefix cache: LRU over leaves, admit every computed block.
+    lfu            fewest accesses among leaves.
+    oracle_static  knows every block's popularity in the whole trace; keeps the best static
+                   prefix-closed set by value per byte.
+    belady         future knowledge: evict the leaf used again last; admit a block only if it
+                   is used again sooner than the victim.
+    kvlearn        KVLearn's design at block granularity (``kvlearn.BlockKVLearn``).
+
+``make_policy(name, trace, cost, pool_blocks=..., **options)`` builds one (only ``kvlearn``
+takes options); ``BLOCK_POLICIES`` is their order in every table.
+"""
+
+from __future__ import annotations
+
+from jaxkv.kvlearn.cost import CostModel
+from jaxkv.kvlearn.serving.policies.base import BlockPolicy
+from jaxkv.kvlearn.serving.policies.belady import Belady
+from jaxkv.kvlearn.serving.policies.kvlearn import BlockKVLearn
+from jaxkv.kvlearn.serving.policies.lfu import LFU
+from jaxkv.kvlearn.serving.policies.lru import LRUPool
+from jaxkv.kvlearn.serving.policies.mooncake import Mooncake
+from jaxkv.kvlearn.serving.policies.no_cache import NoCache
+from jaxkv.kvlearn.serving.policies.oracle_static import OracleStatic
+from jaxkv.kvlearn.traces import MooncakeTrace
+
+REGISTRY: dict[str, type[BlockPolicy]] = {
+    cls.name: cls for cls in (NoCache, LRUPool, Mooncake, LFU, OracleStatic, Belady, BlockKVLearn)
+}
+BLOCK_POLICIES = tuple(REGISTRY)
+"""Names of the block policies, in table order."""
+
+
+def make_policy(
+    name: str, trace: MooncakeTrace, cost: CostModel, *, pool_blocks: int, **options
+) -> BlockPolicy:
+    """The block policy ``name`` (one of ``BLOCK_POLICIES``) for ``trace`` in a pool of
+    ``pool_blocks`` blocks; ``options`` go to its constructor."""
+    if name not in REGISTRY:
+        raise ValueError(f"unknown policy {name!r}; choose from {BLOCK_POLICIES}")
+    return REGISTRY[name](trace, cost, pool_blocks=pool_blocks, **options)
