@@ -4,6 +4,9 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# No persistent XLA cache from CLI calls made inside the test process: tests stay hermetic, and
+# a CI run once segfaulted inside XLA:CPU compilation on the cache-writing path.
+os.environ.setdefault("JAXKV_NO_COMPILE_CACHE", "1")
 
 # Dequantized-model cache inside the checkout (ignored by git), not in the user's home.
 os.environ.setdefault(
