@@ -1,12 +1,15 @@
 """KVLearn serving goals on a Mooncake trace: pools of 10 / 25 / 50 % of the distinct blocks,
 every block-level policy at each load scale, the max sustainable rate at the TTFT SLO, the
-held-out half of the trace, and the per-policy simulation time of the whole trace.
+held-out half of the trace, and the per-policy simulation time of the whole trace; and the
+leave-one-workload-out protocol over five workloads that differ in structure.
 
 Usage: python scripts/bench_kvlearn_serving.py [--trace PATH] [--out results/kvlearn]
        [--prefill-nodes 24] [--loads 1,1.5] [--rate-fracs 0.25] [--attainment 0.9]
        python scripts/bench_kvlearn_serving.py --speed
        python scripts/bench_kvlearn_serving.py --tune '{"name": {kvlearn kwargs}, ...}'
            [--seeds 0,1,2]
+       python scripts/bench_kvlearn_serving.py --protocol [--protocol-scale 1] [--out DIR]
+       python scripts/bench_kvlearn_serving.py --protocol-report results/kvlearn/protocol.json
 
 Writes serving_goals.json and serving_goals.md. KVLearn's hyper-parameters are its defaults
 (``BlockKVLearnConfig`` in ``jaxkv/kvlearn/serving/policies/kvlearn.py``), chosen on the first
@@ -14,6 +17,45 @@ Writes serving_goals.json and serving_goals.md. KVLearn's hyper-parameters are i
 ``held-out`` rows replay only requests 2,000.. (a cold start on the part of the trace no tuning
 run saw). ``--tune`` runs KVLearn variants on that tuning split only (``tune``) and applies the
 selection rule.
+
+``--protocol``: leave one workload out (written down before the protocol was first run).
+
+* Workloads (``protocol_workloads``): ``chat`` (6,000 requests), ``agent`` (3,000), ``rag``
+  (6,000), all ``workloads`` defaults with seed 0; ``mmsession`` (the heavy MM-Session of the
+  tuning split, ``MM_HEAVY``, 600 sessions, seed 3: not a tuning seed); ``example`` (the shipped
+  trace, all 3,993 requests). Each goes through ``save_mooncake_jsonl`` and the validating
+  loader. Sizes keep every trace at ≤ ~125k block references, so the whole protocol runs in
+  ≲ 20 min on the shared 2-core machine (``--protocol-scale`` shrinks the generated ones, for a
+  smoke test).
+* Deployment, fixed per workload from the trace alone: LLaMA-3-8B/A100 costs; ρ* = the shipped
+  trace's no-cache prefill utilisation at its 24 prefill nodes (Σ R(input) / (span × 24) =
+  0.746); a workload gets N = ⌈busy / ρ*⌉ prefill nodes (busy = Σ R(input) / span) and its
+  arrivals are scaled so that its no-cache utilisation is exactly ρ* (the example: 24 nodes,
+  load 1). Pools of 10 / 25 / 50 % of the workload's distinct blocks.
+* Policies: every entry of ``BLOCK_POLICIES`` at run time. Classical baselines = those of
+  ``CLASSICAL`` (lru, mooncake, lfu, arc, s3fifo, wtinylfu, slru, gdsf, cost_aware) that the
+  registry holds; bounds (belady, oracle_static, infinite) and no_cache are reported, never
+  used for selection.
+* KVLearn's settings: the grid ``PROTOCOL_GRID`` = retention ∈ {gd, recency} × write_cost ∈
+  {True, False} (the eviction order and the admission rule; every other option at its
+  default, PRP seed 0). The default (gd, True) is listed first.
+* Rule for held-out workload W: for each setting g, score(g) = the mean over the four other
+  workloads × three pools of KVLearn_g's mean TTFT / the best classical baseline's mean TTFT
+  in that cell (the best chosen per cell). Choose the lowest score (ties: grid order). Then
+  report W's cells at the three pools for every policy and KVLearn with the chosen setting.
+  W's own rows never enter its score. (Every grid setting is simulated on every workload once,
+  since each workload tunes the other four folds; W's fold reads only the other rows, and its
+  evaluation cell is that same deterministic run of the chosen setting. The JSON also names
+  the setting that would have been best on W in hindsight, to show what selection costs.)
+* Reported per cell: mean and p99 TTFT and block hit % of every policy, KVLearn / best
+  classical (mean, p99), the gap of KVLearn's mean to belady and to infinite; a win is a cell
+  with KVLearn's mean below the best classical baseline's, a loss one above.
+
+Writes protocol.json (every run) and protocol.md (the tables). ``--protocol-report JSON``
+re-renders protocol.md and the summary from a protocol.json without simulating (the "room"
+column, how far the best classical baseline is above the bound, and the win count among cells
+with room were added this way after the first run: a presentation of the same cells; the rule
+is unchanged).
 """
 
 from __future__ import annotations
@@ -21,6 +63,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import tempfile
 import time
@@ -50,6 +93,21 @@ MM_HEAVY = dict(
     rate_per_s=0.5,
     think_s=60,
 )
+
+
+# ---- the leave-one-workload-out protocol (rule in the module docstring) -----------------------
+CLASSICAL = ("lru", "mooncake", "lfu", "arc", "s3fifo", "wtinylfu", "slru", "gdsf", "cost_aware")
+BOUNDS = ("belady", "oracle_static", "infinite")
+PROTOCOL_GRID = {
+    "gd+write": {"retention": "gd", "write_cost": True},
+    "gd": {"retention": "gd", "write_cost": False},
+    "recency+write": {"retention": "recency", "write_cost": True},
+    "recency": {"retention": "recency", "write_cost": False},
+}
+PROTOCOL_REQUESTS = {"chat": 6000, "agent": 3000, "rag": 6000}
+PROTOCOL_MM = (600, 3)  # MM-Session sessions, seed
+REF_NODES = 24  # the shipped trace's prefill nodes, which set ρ*
+ROOM = 1e-3  # a cell whose best classical mean TTFT is within 0.1 % of the bound has no room
 
 
 def _tail(tr: traces_lib.MooncakeTrace, start: int) -> traces_lib.MooncakeTrace:
@@ -83,8 +141,24 @@ def main() -> None:
     )
     p.add_argument("--tune", help="JSON {variant: BlockKVLearn kwargs}: tuning split only")
     p.add_argument("--seeds", default="0,1,2", help="PRP seeds per variant for --tune")
+    p.add_argument("--protocol", action="store_true", help="leave-one-workload-out protocol")
+    p.add_argument(
+        "--protocol-report",
+        metavar="JSON",
+        help="re-render protocol.md (and the summary) from a protocol.json; simulates nothing",
+    )
+    p.add_argument(
+        "--protocol-scale",
+        type=float,
+        default=1.0,
+        help="fraction of the protocol's trace sizes (smoke tests; the results use 1)",
+    )
     args = p.parse_args()
     cost = CostModel.llama3_8b_a100()
+    if args.protocol:
+        return protocol(cost, Path(args.out), scale=args.protocol_scale)
+    if args.protocol_report:
+        return protocol_report(Path(args.protocol_report))
     base = traces_lib.load_mooncake_trace(traces_lib.trace_path(args.trace))
     if args.speed:
         return speed(base, cost, args.prefill_nodes, Path(args.out))
@@ -200,6 +274,293 @@ def tune(
                 )
     for v, (n_ok, gain) in sorted(score.items(), key=lambda x: (-x[1][0], x[1][1])):
         print(f"{v:<12} cells all below: {n_ok}/{3 * len(FRACS)}  summed mean gain {gain:+.2f} %")
+
+
+def _loaded(records: list[dict]) -> traces_lib.MooncakeTrace:
+    """Records through the file format and its validating loader."""
+    with tempfile.TemporaryDirectory() as d:
+        traces_lib.save_mooncake_jsonl(records, f"{d}/w.jsonl")
+        return traces_lib.load_mooncake_trace(f"{d}/w.jsonl")
+
+
+def protocol_workloads(scale: float = 1.0) -> dict[str, traces_lib.MooncakeTrace]:
+    """The five workloads of the protocol ({name: trace}); ``scale`` < 1 shrinks them."""
+    out = {}
+    for kind, n in PROTOCOL_REQUESTS.items():
+        out[kind] = _loaded(workloads.WORKLOADS[kind][0](max(50, int(scale * n)), seed=0))
+    sessions, seed = PROTOCOL_MM
+    mm = workloads.MMSessionConfig(**MM_HEAVY)
+    out["mmsession"] = _loaded(
+        workloads.mm_session(max(20, int(scale * sessions)), seed=seed, cfg=mm)
+    )
+    example = traces_lib.load_mooncake_trace(traces_lib.trace_path(TRACE))
+    out["example"] = example.head(max(100, int(scale * len(example))))
+    return out
+
+
+def _busy(tr: traces_lib.MooncakeTrace, cost: CostModel) -> float:
+    """Prefill nodes kept busy without a cache: Σ R(input) / arrival span."""
+    work_s = float(np.sum(np.asarray(cost.recompute_ms(tr.input_len.astype(np.float64))))) / 1e3
+    return work_s / float(tr.time_s[-1] - tr.time_s[0])
+
+
+def deployment(tr: traces_lib.MooncakeTrace, cost: CostModel, rho: float) -> tuple[int, float]:
+    """(prefill nodes, load scale) that put ``tr``'s no-cache utilisation at ``rho``."""
+    busy = _busy(tr, cost)
+    nodes = max(1, math.ceil(busy / rho - 1e-9))
+    return nodes, nodes * rho / busy
+
+
+def protocol(cost: CostModel, out: Path, *, scale: float) -> None:
+    """Leave-one-workload-out: every policy and every ``PROTOCOL_GRID`` setting once on every
+    workload × pool, then one fold per held-out workload (``protocol_fold``); writes
+    protocol.json and protocol.md."""
+    t_start = time.perf_counter()
+    example = traces_lib.load_mooncake_trace(traces_lib.trace_path(TRACE))
+    rho = _busy(example, cost) / REF_NODES
+    classical = [c for c in CLASSICAL if c in BLOCK_POLICIES]
+    baselines = [x for x in BLOCK_POLICIES if x != "kvlearn"]
+    print(f"registry: {', '.join(BLOCK_POLICIES)}; classical: {', '.join(classical)}")
+    print(f"rho* = {rho:.3f}; grid: {', '.join(PROTOCOL_GRID)}", flush=True)
+    runs: dict[tuple, dict] = {}
+    info = {}
+    for name, tr0 in protocol_workloads(scale).items():
+        nodes, load = deployment(tr0, cost, rho)
+        tr = tr0.scaled(load)
+        n_ref, n_blk = int(sum(len(b) for b in tr.blocks)), _distinct(tr)
+        info[name] = {"requests": len(tr), "block_refs": n_ref, "distinct_blocks": n_blk}
+        info[name] |= {"prefill_nodes": nodes, "load_scale": load}
+        print(
+            f"{name}: {len(tr)} requests, {n_ref} block refs, {n_blk} distinct; "
+            f"{nodes} prefill nodes, load {load:.3f}",
+            flush=True,
+        )
+        for frac in FRACS:
+            cfg = engine.ServingConfig(pool_blocks=int(frac * n_blk), prefill_nodes=nodes)
+            todo = [(b, b, {}) for b in baselines]
+            todo += [(f"kvlearn:{g}", "kvlearn", kw) for g, kw in PROTOCOL_GRID.items()]
+            for key, policy, kw in todo:
+                t0 = time.perf_counter()
+                r = _summary(tr, policy, cfg, cost, **kw) | {"wall_s": time.perf_counter() - t0}
+                runs[(name, frac, key)] = r | {"pool_blocks": cfg.pool_blocks}
+            elapsed = time.perf_counter() - t_start
+            print(f"  pool {frac:.0%} done ({elapsed:.0f} s)", flush=True)
+    folds = [protocol_fold(w, list(info), runs, classical) for w in info]
+    meta = {
+        "rho_star": rho,
+        "ref_nodes": REF_NODES,
+        "scale": scale,
+        "registry": list(BLOCK_POLICIES),
+        "classical": classical,
+        "missing_classical": [c for c in CLASSICAL if c not in BLOCK_POLICIES],
+        "grid": PROTOCOL_GRID,
+        "workloads": info,
+        "cost": "llama3-8b-a100",
+        "pool_fracs": list(FRACS),
+        "total_s": time.perf_counter() - t_start,
+    }
+    table = [{"workload": k[0], "pool_frac": k[1], "run": k[2]} | v for k, v in runs.items()]
+    out.mkdir(parents=True, exist_ok=True)
+    summary = protocol_summary(folds)
+    doc = {"config": meta, "summary": summary, "folds": folds, "runs": table}
+    (out / "protocol.json").write_text(json.dumps(doc, indent=2))
+    (out / "protocol.md").write_text(protocol_markdown(folds, meta, summary))
+    print(protocol_markdown(folds, meta, summary))
+    print(f"wrote {out / 'protocol.json'} and protocol.md ({meta['total_s']:.0f} s)")
+
+
+def protocol_report(path: Path) -> None:
+    """Rewrites ``path``'s summary and the protocol.md beside it from its folds (no runs)."""
+    doc = json.loads(path.read_text())
+    doc["summary"] = protocol_summary(doc["folds"])
+    path.write_text(json.dumps(doc, indent=2))
+    md = protocol_markdown(doc["folds"], doc["config"], doc["summary"])
+    (path.parent / "protocol.md").write_text(md)
+    print(md)
+
+
+def _tuning_score(runs: dict, names: list[str], setting: str, classical: list[str]) -> float:
+    """Mean over ``names`` × pools of KVLearn(setting)'s mean TTFT / the cell's best classical."""
+    ratios = []
+    for w in names:
+        for frac in FRACS:
+            best = min(runs[(w, frac, c)]["ttft_ms_mean"] for c in classical)
+            ratios.append(runs[(w, frac, f"kvlearn:{setting}")]["ttft_ms_mean"] / best)
+    return float(np.mean(ratios))
+
+
+def protocol_fold(held: str, names: list[str], runs: dict, classical: list[str]) -> dict:
+    """The fold holding out ``held``: the setting chosen on the other workloads, then ``held``'s
+    cells (every policy; ``kvlearn`` = the chosen setting)."""
+    others = [w for w in names if w != held]
+    scores = {g: _tuning_score(runs, others, g, classical) for g in PROTOCOL_GRID}
+    chosen = min(PROTOCOL_GRID, key=lambda g: scores[g])  # ties: grid order (min is stable)
+    hindsight = {g: _tuning_score(runs, [held], g, classical) for g in PROTOCOL_GRID}
+    cells = []
+    for frac in FRACS:
+        pol = {
+            p: runs[(held, frac, f"kvlearn:{chosen}" if p == "kvlearn" else p)]
+            for p in BLOCK_POLICIES
+        }
+        kv = pol["kvlearn"]
+        best = min(classical, key=lambda c: pol[c]["ttft_ms_mean"])
+        best_p99 = min(pol[c]["ttft_ms_p99"] for c in classical)
+        gap = lambda b, kv=kv, pol=pol: (
+            kv["ttft_ms_mean"] / pol[b]["ttft_ms_mean"] - 1 if b in pol else None
+        )
+        cells.append(
+            {
+                "pool_frac": frac,
+                "pool_blocks": kv["pool_blocks"],
+                "policies": {p: _cell_metrics(r) for p, r in pol.items()},
+                "best_classical": best,
+                "ratio_mean": kv["ttft_ms_mean"] / pol[best]["ttft_ms_mean"],
+                "ratio_p99": kv["ttft_ms_p99"] / best_p99,
+                "gap_belady": gap("belady"),
+                "gap_infinite": gap("infinite"),
+            }
+        )
+    return {
+        "held_out": held,
+        "tuned_on": others,
+        "scores": scores,
+        "chosen": chosen,
+        "hindsight_scores": hindsight,
+        "hindsight_best": min(PROTOCOL_GRID, key=lambda g: hindsight[g]),
+        "cells": cells,
+    }
+
+
+def _cell_metrics(r: dict) -> dict:
+    keys = ("ttft_ms_mean", "ttft_ms_p50", "ttft_ms_p99", "hit_rate", "token_hit_rate")
+    return {k: r[k] for k in keys} | {"transfer_gib": r["transfer_gib"], "wall_s": r["wall_s"]}
+
+
+def _room(cell: dict) -> float:
+    """How far the cell's best classical mean TTFT is above the lowest bound's (infinite, else
+    belady): 0 means no policy can beat it."""
+    pol = cell["policies"]
+    bound = pol["infinite" if "infinite" in pol else "belady"]["ttft_ms_mean"]
+    return pol[cell["best_classical"]]["ttft_ms_mean"] / bound - 1
+
+
+def protocol_summary(folds: list[dict]) -> dict:
+    """Wins (KVLearn below the best classical baseline) and losses over all held-out cells, and
+    among the cells where the best classical baseline leaves room (> 0.1 % above the bound)."""
+    cells = [c for f in folds for c in f["cells"]]
+    mean = [c["ratio_mean"] for c in cells]
+    p99 = [c["ratio_p99"] for c in cells]
+    room = [r for r, c in zip(mean, cells, strict=True) if _room(c) > ROOM]
+    return {
+        "cells": len(cells),
+        "mean_wins": sum(r < 1 for r in mean),
+        "mean_losses": sum(r > 1 for r in mean),
+        "cells_with_room": len(room),
+        "mean_wins_with_room": sum(r < 1 for r in room),
+        "mean_losses_with_room": sum(r > 1 for r in room),
+        "p99_wins": sum(r < 1 for r in p99),
+        "p99_losses": sum(r > 1 for r in p99),
+        "ratio_mean_geomean": float(np.exp(np.mean(np.log(mean)))),
+        "ratio_mean_worst": max(mean),
+        "ratio_mean_best": min(mean),
+    }
+
+
+def protocol_markdown(folds: list[dict], meta: dict, summary: dict) -> str:
+    """The protocol's tables: one line per held-out cell, the tuning scores, every policy."""
+    w = meta["workloads"]
+    lines = [
+        "Leave-one-workload-out protocol (`scripts/bench_kvlearn_serving.py --protocol`; rule in "
+        "its docstring). LLaMA-3-8B/A100 costs; each workload's prefill nodes and load scale "
+        f"put its no-cache utilisation at ρ* = {meta['rho_star']:.3f} (the shipped trace at "
+        f"{meta['ref_nodes']} nodes). Pools: % of the workload's distinct blocks. Classical "
+        f"baselines: {', '.join(meta['classical'])}"
+        + (
+            f" (not in the registry at run time: {', '.join(meta['missing_classical'])})"
+            if meta["missing_classical"]
+            else ""
+        )
+        + f". One run per cell (PRP seed 0); {meta['total_s'] / 60:.1f} min in all.",
+        "",
+        "| workload | requests | block refs | distinct blocks | prefill nodes | load scale |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, d in w.items():
+        lines.append(
+            f"| {name} | {d['requests']} | {d['block_refs']} | {d['distinct_blocks']} "
+            f"| {d['prefill_nodes']} | {d['load_scale']:.3f} |"
+        )
+    lines += [
+        "",
+        f"**Summary: KVLearn's mean TTFT is below the best classical baseline in "
+        f"{summary['mean_wins']} of {summary['cells']} held-out cells and above it in "
+        f"{summary['mean_losses']}; p99: {summary['p99_wins']} wins, {summary['p99_losses']} "
+        f"losses. KVLearn / best classical (mean TTFT): geometric mean "
+        f"{summary['ratio_mean_geomean']:.3f}, best {summary['ratio_mean_best']:.3f}, worst "
+        f"{summary['ratio_mean_worst']:.3f}. In the {summary['cells_with_room']} cells where "
+        f"the best classical baseline is more than {100 * ROOM:g} % above the bound (room to "
+        f"win): {summary['mean_wins_with_room']} wins, {summary['mean_losses_with_room']} "
+        "losses.**",
+        "",
+        "Held-out cells (mean / p99 TTFT in ms, block hit %; ratio < 1: KVLearn better; the "
+        "p99 ratio is to the lowest classical p99; gaps are KVLearn's mean over the bound's; "
+        "room: the best classical mean over the lowest bound's):",
+        "",
+        "| held out | setting | pool | kvlearn | best classical | mean ratio | p99 ratio "
+        "| belady (gap) | infinite (gap) | room | |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    fmt = lambda m: f"{m['ttft_ms_mean']:.0f} / {m['ttft_ms_p99']:.0f} / {100 * m['hit_rate']:.1f}"
+    bound = lambda c, b: (
+        "-"
+        if c["gap_" + b] is None
+        else f"{c['policies'][b]['ttft_ms_mean']:.0f} ({100 * c['gap_' + b]:+.1f} %)"
+    )
+    for f in folds:
+        for c in f["cells"]:
+            kv, bc = c["policies"]["kvlearn"], c["policies"][c["best_classical"]]
+            verdict = "win" if c["ratio_mean"] < 1 else "loss" if c["ratio_mean"] > 1 else "tie"
+            lines.append(
+                f"| {f['held_out']} | {f['chosen']} | {c['pool_frac']:.0%} | {fmt(kv)} "
+                f"| {c['best_classical']}: {fmt(bc)} | {c['ratio_mean']:.4f} "
+                f"| {c['ratio_p99']:.4f} | {bound(c, 'belady')} | {bound(c, 'infinite')} "
+                f"| {100 * _room(c):.1f} % | {verdict} |"
+            )
+    grid = list(meta["grid"])
+    lines += [
+        "",
+        "Tuning scores (mean KVLearn / best classical mean TTFT over the 4 tuning workloads × 3 "
+        "pools; the lowest is chosen) and, for information only, the same score on the "
+        "held-out workload (never used):",
+        "",
+        "| held out | "
+        + " | ".join(grid)
+        + " | chosen | on held-out: "
+        + " | ".join(grid)
+        + " | best in hindsight |",
+        "|---|" + "---|" * (2 * len(grid) + 2),
+    ]
+    for f in folds:
+        lines.append(
+            f"| {f['held_out']} | "
+            + " | ".join(f"{f['scores'][g]:.3f}" for g in grid)
+            + f" | {f['chosen']} | "
+            + " | ".join(f"{f['hindsight_scores'][g]:.3f}" for g in grid)
+            + f" | {f['hindsight_best']} |"
+        )
+    lines += ["", "Every policy (mean / p99 TTFT in ms / block hit %):"]
+    for f in folds:
+        pools = [f"{c['pool_frac']:.0%}" for c in f["cells"]]
+        lines += [
+            "",
+            f"{f['held_out']} (kvlearn = {f['chosen']}):",
+            "",
+            "| policy | " + " | ".join(pools) + " |",
+            "|---|" + "---|" * len(pools),
+        ]
+        for p in f["cells"][0]["policies"]:
+            lines.append(f"| {p} | " + " | ".join(fmt(c["policies"][p]) for c in f["cells"]) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def markdown(rows: list[dict], meta: dict) -> str:

@@ -13,8 +13,9 @@ Subcommands of ``python -m jaxkv.eval kvlearn``:
         Mooncake trace; ``--sweep`` runs pool fractions × load scales.
     calibrate [--model M] [--lengths 128,...] [--repeats N] [--json F] [--plot F]
         α_bw, α_flop from timing jaxkv's decoder; both simulators take ``--calibration F``.
+    workload {chat,agent,rag} --out F [--requests N] [--seed S] [--rate R]
     workload mmsession --out F [--sessions N] [--seed S] [--rate R] [--bursty]
-        writes an MM-Session trace (Mooncake format) for ``serve``.
+        writes a synthetic trace (Mooncake format) for ``serve``.
 
 A first argument that is not a subcommand name means ``sim``: ``kvlearn 3000 1.1 4`` is
 ``kvlearn sim 3000 1.1 4``. The simulator is always the subcommand's, never guessed from a
@@ -780,13 +781,41 @@ def _calibrate_main(args) -> int:
 
 
 # ---- workload -------------------------------------------------------------------------------
+WORKLOAD_REQUESTS = {"chat": 10_000, "agent": 6_000, "rag": 10_000}
+"""Default ``--requests`` of each request-count workload (~40k–150k block references)."""
+_WORKLOAD_HELP = {
+    "chat": "multi-turn chat sessions: each turn resends the conversation, so prefixes grow; "
+    "a few shared system prompts; think time between turns; geometric session length",
+    "agent": "tool-using agent loops: long shared tool prompts, contexts that grow by each "
+    "tool output, many agents interleaved",
+    "rag": "retrieval-augmented queries: system prompt + k Zipf-popular documents in varying "
+    "order + a question",
+}
+
+
 def _workload_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "workload",
-        help="write a synthetic trace file (mmsession: MM-Session, Mooncake format)",
-        description="Write a synthetic workload as a trace file.",
+        help="write a synthetic Mooncake-format trace (chat, agent, rag, mmsession)",
+        description="Write a synthetic workload as a Mooncake trace file (for `kvlearn serve "
+        "--trace`): see jaxkv/kvlearn/workloads.py for each kind's structure and defaults.",
     )
-    kinds = p.add_subparsers(dest="workload", required=True, metavar="{mmsession}")
+    names = ",".join([*WORKLOAD_REQUESTS, "mmsession"])
+    kinds = p.add_subparsers(dest="workload", required=True, metavar="{" + names + "}")
+    for kind, n in WORKLOAD_REQUESTS.items():
+        k = kinds.add_parser(kind, help=_WORKLOAD_HELP[kind], description=_WORKLOAD_HELP[kind])
+        k.add_argument("--requests", type=number(int, ge=1), default=n, help=f"default {n}")
+        k.add_argument("--seed", type=number(int, ge=0), default=0)
+        default_rate = workloads.WORKLOADS[kind][1]().rate_per_s
+        k.add_argument(
+            "--rate",
+            type=number(float, gt=0),
+            default=default_rate,
+            help=f"{'queries' if kind == 'rag' else kind + 's'} started per second "
+            f"(default {default_rate:g})",
+        )
+        k.add_argument("--out", required=True, metavar="JSONL", help="the trace file to write")
+        k.set_defaults(run=_synthetic_main)
     mm = kinds.add_parser(
         "mmsession",
         help="multimodal multi-turn sessions as a Mooncake trace (for `kvlearn serve`)",
@@ -805,11 +834,32 @@ def _workload_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
-def _mmsession_main(args) -> int:
+def _checked_out(args) -> bool:
     try:
         check_output(args.out, flag="--out")
     except ValueError as e:
-        print(f"{EVAL_PROG} workload mmsession: error: {e}", file=sys.stderr)
+        print(f"{EVAL_PROG} workload {args.workload}: error: {e}", file=sys.stderr)
+        return False
+    return True
+
+
+def _synthetic_main(args) -> int:
+    if not _checked_out(args):
+        return 2
+    generate, config = workloads.WORKLOADS[args.workload]
+    recs = generate(args.requests, seed=args.seed, cfg=config(rate_per_s=args.rate))
+    traces_lib.save_mooncake_jsonl(recs, args.out)
+    n_ref = sum(len(r["hash_ids"]) for r in recs)
+    n_blk = len({h for r in recs for h in r["hash_ids"]})
+    print(
+        f"wrote {len(recs)} {args.workload} requests ({n_ref} block references, {n_blk} "
+        f"distinct blocks) to {args.out}"
+    )
+    return 0
+
+
+def _mmsession_main(args) -> int:
+    if not _checked_out(args):
         return 2
     cfg = workloads.MMSessionConfig(rate_per_s=args.rate, bursty=args.bursty)
     recs = workloads.mm_session(args.sessions, seed=args.seed, cfg=cfg)
