@@ -14,6 +14,12 @@ resident descendants.
 
 Priorities are tuples compared lexicographically (lower = evicted first), computed by the
 policy when a block is touched and kept in a lazy heap (stale entries are skipped by version).
+A policy whose order is not one priority per block (ARC's lists, S3-FIFO's queues, W-TinyLFU's
+window and admission duel) selects victims itself instead: ``bind(select_victim=...)`` replaces
+the heap (no entries are pushed then), and the cache calls ``select_victim(incoming)`` each time
+it needs room for ``incoming`` (a resident block to evict, or None to refuse ``incoming``) and
+``on_insert(b)`` (bound for any policy) after a block becomes resident. Without a
+``select_victim`` the heap decides, as it always has.
 This is a plain-Python simulator, not jitted: the heap and the variable-length prefix walks do
 not map onto a fixed-shape ``lax.scan`` without padding every request to its longest prefix.
 """
@@ -36,6 +42,8 @@ class PrefixCache:
         n_blocks: size of the dense block-id space (ids are ``0..n_blocks-1``).
         leaf_only: evict only leaves and admit only under a resident parent (prefix cache).
         on_evict: called with each evicted block, after its eviction (the block policy's hook).
+
+    ``select_victim`` and ``on_insert`` are the policy's hooks (None until it ``bind``s them).
 
     Attributes (``[P]`` arrays over block ids): ``resident``, ``parent`` (ROOT for a first
     block), ``n_children`` (resident children), ``version`` (heap entries older than it are
@@ -63,7 +71,23 @@ class PrefixCache:
         self.size = 0
         self.evictions = 0
         self.on_evict = on_evict
+        self.select_victim: Callable[[int], int | None] | None = None
+        self.on_insert: Callable[[int], None] | None = None
         self._heap: list[tuple] = []
+
+    def bind(
+        self,
+        *,
+        select_victim: Callable[[int], int | None] | None = None,
+        on_insert: Callable[[int], None] | None = None,
+    ) -> None:
+        """Registers a policy's hooks (before the first insertion): ``select_victim(incoming)``
+        chooses every victim (the priority heap is then unused), ``on_insert(b)`` hears of every
+        block made resident."""
+        if self.size:
+            raise ValueError("bind the policy's hooks before the first insertion")
+        self.select_victim = select_victim
+        self.on_insert = on_insert
 
     # ---- queries --------------------------------------------------------------------------
     def match(self, blocks) -> int:
@@ -83,15 +107,18 @@ class PrefixCache:
         """Sets a resident block's priority."""
         self.version[b] += 1
         self.prio[b] = prio
-        heapq.heappush(self._heap, (prio, int(self.version[b]), int(b)))
+        if self.select_victim is None:
+            heapq.heappush(self._heap, (prio, int(self.version[b]), int(b)))
 
     def insert(self, b: int, parent: int, prio: tuple, *, min_victim: tuple | None = None) -> bool:
         """Admits block ``b`` under ``parent`` (ROOT for a first block), evicting as needed.
 
         With ``min_victim`` set, refuses (without evicting) if the first victim's priority is
-        not below ``min_victim`` (a bypass rule: never evict something worth more). Returns
-        whether ``b`` is resident afterwards.
+        not below ``min_victim`` (a bypass rule: never evict something worth more; heap order
+        only). Returns whether ``b`` is resident afterwards.
         """
+        if min_victim is not None and self.select_victim is not None:
+            raise ValueError("min_victim needs the priority heap; this cache selects by hook")
         if self.resident[b]:
             self.touch(b, prio)
             return True
@@ -103,7 +130,7 @@ class PrefixCache:
         if self.leaf_only and has_parent:
             self.n_children[parent] += 1  # pins the parent while making room
         while self.size >= self.capacity:
-            victim = self._peek_victim()
+            victim = self._next_victim(b)
             if victim is None or (min_victim is not None and self.prio[victim] >= min_victim):
                 if self.leaf_only and has_parent:
                     self.n_children[parent] -= 1
@@ -116,12 +143,26 @@ class PrefixCache:
         self.n_children[b] = 0
         self.size += 1
         self.touch(b, prio)
+        if self.on_insert is not None:
+            self.on_insert(b)
         return True
 
     def peek_victim_prio(self) -> tuple | None:
         """Priority of the block that would be evicted next (None if none is eligible)."""
+        if self.select_victim is not None:
+            raise ValueError("a cache that selects victims by hook has no victim priority")
         v = self._peek_victim()
         return None if v is None else self.prio[v]
+
+    def _next_victim(self, incoming: int) -> int | None:
+        if self.select_victim is None:
+            return self._peek_victim()
+        v = self.select_victim(incoming)
+        if v is not None and not (
+            self.resident[v] and (not self.leaf_only or self.n_children[v] == 0)
+        ):
+            raise RuntimeError(f"select_victim returned block {v}, which is not evictable")
+        return v
 
     def _peek_victim(self) -> int | None:
         h = self._heap
@@ -135,7 +176,8 @@ class PrefixCache:
         return None
 
     def _evict(self, b: int) -> None:
-        heapq.heappop(self._heap)
+        if self.select_victim is None:
+            heapq.heappop(self._heap)  # b is the heap's top (``_peek_victim``)
         self.resident[b] = False
         self.version[b] += 1
         self.size -= 1

@@ -15,10 +15,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from jaxkv.kvlearn.core import control
 from jaxkv.kvlearn.core import pool as pool_lib
+from jaxkv.kvlearn.cost import CostModel
 
 
 @struct.dataclass
@@ -105,6 +107,17 @@ def init_pool(inp: RunInputs, *, setup: PolicySetup) -> pool_lib.Pool:
     )
 
 
+def value_density(cost: CostModel, tokens) -> jax.Array:
+    """ν = (R − T)/(κ·|b|) of blocks of ``tokens`` tokens (float32): recompute saved per byte,
+    in units of the bandwidth regime's κ (the core's value density; 1 for every bandwidth-bound
+    block, more for compute-bound ones). Rounded to a multiple of 1/1024, so that float32
+    rounding (which differs between a jitted scan and eager steps) cannot order blocks worth
+    the same."""
+    t = jnp.asarray(tokens, jnp.float32)
+    nu = cost.net_benefit_ms(t) / (cost.benefit_per_byte_ms * cost.footprint_bytes(t))
+    return jnp.round(nu * 1024.0) / 1024.0
+
+
 def ranked_pool_policy(name, *, setup: PolicySetup, rank_fn, allowed_fn, rule) -> PoolPolicy:
     """A policy whose state is just the pool: ``rank_fn(req)`` ranks a block on every access,
     ``allowed_fn(req)`` gates a miss's admission, ``rule`` is ``pool.admit``'s rule."""
@@ -129,3 +142,32 @@ def ranked_pool_policy(name, *, setup: PolicySetup, rank_fn, allowed_fn, rule) -
         return pool, event(hit, admitted, jnp.sum(victims.valid_E))
 
     return PoolPolicy(name, init, step)
+
+
+# ---- helpers of the list- and queue-based policies (arc, s3fifo, wtinylfu, slru) ---------------
+# These keep their own per-key lists ([P] arrays: which list a key is in and a stamp that orders
+# each list, oldest first) and choose victims themselves (``oldest``), one at a time in a
+# ``lax.while_loop``; the pool only holds the blocks and counts KiB (``pool.remove``, ``store``).
+
+NEVER = np.iinfo(np.int32).max
+"""Stamp of no key (``oldest`` masks with it)."""
+
+
+def oldest(mask_P, stamp_P) -> jax.Array:
+    """The key of lowest stamp among ``mask_P`` (stamps are distinct; an empty mask gives 0)."""
+    return jnp.argmin(jnp.where(mask_P, stamp_P, NEVER)).astype(jnp.int32)
+
+
+def frac_of(total, num: int, den: int) -> jax.Array:
+    """⌊total · num / den⌋ for int32 ``total`` without int32 overflow (segment sizes in KiB)."""
+    total = jnp.asarray(total, jnp.int32)
+    return (total // den) * num + (total % den) * num // den
+
+
+def store(pool: pool_lib.Pool, req: SimRequest, ok) -> tuple[pool_lib.Pool, jax.Array]:
+    """Inserts ``req``'s block iff ``ok``, into room the caller has made (nothing is evicted):
+    (pool, admitted)."""
+    pool, admitted, _ = pool_lib.admit(
+        pool, key=req.key, kib=req.kib, rank=0.0, value=0.0, allowed=ok, rule="all"
+    )
+    return pool, admitted
