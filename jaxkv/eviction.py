@@ -5,9 +5,39 @@ the tokens a sequence has processed (prompt + generated). The paper writes ``L_t
 read literally the cache would shrink geometrically to B_min. An absolute budget may be
 given instead of a ratio.
 
+Protocols (``Compression.protocol``):
+
+* ``decode`` (the paper's): evict after prefill and after every ``evict_every``-th decode
+  step, so each sequence holds B_t tokens at every step;
+* ``prefill`` (compress once, kvpress's): evict once after prefill, down to
+  ``B = max(floor(r * N_prompt), B_min)``; every later token is appended and nothing is
+  evicted again, so the cache grows by one slot per generated token.
+
 Eviction after prefill ranks every slot; during decoding at most ``evict_every`` tokens
 arrive between evictions, so only that many lowest-scored slots are candidates: the engine
 frees them (``kvcache.free_slots``) and the next tokens reuse them, without moving any key.
+
+Granularities: ``shared`` (one token set for every layer and head), ``layer``, ``head``
+(each (layer, KV head) row keeps its own B tokens) and ``adaptive`` (AdaKV, Feng et al.
+2024: per layer and sequence the K heads' scores are pooled and the layer keeps its top
+K * B over all heads; each head keeps what it got, at least ``floor(head_floor * B)`` — kvpress's
+``alpha_safeguard`` — and at most ``floor(head_cap * B)``). Scores are pooled as the policy
+returns them: AdaKV assumes scores comparable across heads (attention probabilities, TOVA,
+K-norm, Expected Attention); H2O and SnapKV scale their heavy-hitter scores into [0, 1) per
+row, so for them the pool compares each head's tokens relative to that head's best.
+
+Capacity layout (``Compression.capacity``). The cache is one array ``[L, B, K, C, H]``, so
+every (layer, sequence, KV head) row has the same C slots and free slots carry pos = -1:
+
+* shared / layer / head: ``C = B_max + evict_every`` (decode) or ``B_prompt + n_new``
+  (prefill), never more than the full cache; every row holds B tokens after an eviction.
+* adaptive: ``C = floor(head_cap * B_max) + evict_every`` (decode) or
+  ``floor(head_cap * B_prompt) + n_new`` (prefill). A layer holds exactly K * B tokens after
+  an eviction (fewer only while fewer tokens were seen), spread unevenly over its K rows;
+  the slots a head does not use stay free. The cache so takes ``head_cap`` times the
+  memory of ``head`` (2x by default: at r = 0.25 half the full cache instead of a quarter),
+  the price of letting a head keep up to ``head_cap * B`` tokens in a fixed-shape array that
+  attention reads per head without any mask beyond pos = -1.
 """
 
 from __future__ import annotations
@@ -21,7 +51,11 @@ import jax.numpy as jnp
 
 from jaxkv import kvcache
 from jaxkv.kvcache import KVCache
-from jaxkv.policies import GRANULARITIES, Policy, get_policy
+from jaxkv.policies import GRANULARITIES as POLICY_GRANULARITIES
+from jaxkv.policies import Policy, get_policy
+
+GRANULARITIES = (*POLICY_GRANULARITIES, "adaptive")
+PROTOCOLS = ("decode", "prefill")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,10 +68,17 @@ class Compression:
         budget: absolute budget (tokens per sequence) instead of a ratio.
         min_budget: B_min.
         granularity: ``shared`` (one token set for all layers and heads, the paper),
-            ``layer`` (per layer) or ``head`` (per layer and KV head).
+            ``layer`` (per layer), ``head`` (per layer and KV head) or ``adaptive`` (AdaKV:
+            a layer's K * B tokens pooled over its heads; see the module docstring).
         evict_every: evict after every k-th decode step (and always after prefill).
         full_heads: fraction of (layer, KV head) pairs that keep every token (the paper's
             head-level hybrid, App. E.3; needs ``granularity="head"``).
+        protocol: ``decode`` (evict during decoding, the paper) or ``prefill`` (compress
+            once after prefill, kvpress); see the module docstring.
+        head_floor: ``adaptive`` only: each head keeps at least ``floor(head_floor * B)``
+            tokens (AdaKV's safeguard; kvpress's ``alpha_safeguard`` = 0.2).
+        head_cap: ``adaptive`` only: each head keeps at most ``floor(head_cap * B)`` tokens;
+            the cache has that many slots per head (module docstring: capacity layout).
     """
 
     policy: Policy
@@ -47,6 +88,9 @@ class Compression:
     granularity: str = "shared"
     evict_every: int = 1
     full_heads: float = 0.0
+    protocol: str = "decode"
+    head_floor: float = 0.2
+    head_cap: float = 2.0
 
     def __post_init__(self):
         # Check each given value first, so that a bad value is named even when both are given.
@@ -67,15 +111,22 @@ class Compression:
             raise ValueError(
                 f"unknown granularity {self.granularity!r}; choose one of {GRANULARITIES}"
             )
-        if self.granularity not in self.policy.granularities:
+        if row_granularity(self.granularity) not in self.policy.granularities:
             raise ValueError(
                 f"policy {self.policy.name!r} does not support granularity "
                 f"{self.granularity!r}; it supports {self.policy.granularities}"
+                + (" ('adaptive' needs per-head scores)" if self.granularity == "adaptive" else "")
             )
         if not 0 <= self.full_heads < 1:
             raise ValueError(f"full_heads must be in [0, 1), got {self.full_heads}")
         if self.full_heads and self.granularity != "head":
             raise ValueError("full_heads (head-level hybrid) needs granularity='head'")
+        if self.protocol not in PROTOCOLS:
+            raise ValueError(f"unknown protocol {self.protocol!r}; choose one of {PROTOCOLS}")
+        if not (_is_real(self.head_floor) and 0 <= self.head_floor <= 1):
+            raise ValueError(f"head_floor must be in [0, 1], got {self.head_floor}")
+        if not (_is_real(self.head_cap) and self.head_cap >= 1):
+            raise ValueError(f"head_cap must be >= 1, got {self.head_cap}")
 
     @classmethod
     def make(cls, policy: str | Policy, **kwargs) -> Compression:
@@ -97,18 +148,41 @@ class Compression:
         b = jnp.floor(self.ratio * jnp.asarray(n_tokens, jnp.float32)).astype(jnp.int32)
         return jnp.maximum(b, self.min_budget)
 
+    @property
+    def evicts_in_decode(self) -> bool:
+        """Whether decode steps evict (the ``decode`` protocol with an evicting policy)."""
+        return self.policy.evicts and self.protocol == "decode"
+
     def max_budget(self, n_max: int) -> int:
         """The largest budget of a run that ends at ``n_max`` tokens (static)."""
         if self.budget is not None:
             return self.budget
         return max(math.floor(self.ratio * n_max), self.min_budget)
 
-    def capacity(self, n_max: int) -> int:
-        """Slots of the compressed cache: max budget plus one eviction period of slack,
-        never more than the full cache (``n_max``)."""
+    def max_row_tokens(self, budget):
+        """Most tokens one (layer, sequence, KV head) row keeps at budget B (int or array):
+        B, or ``floor(head_cap * B)`` under ``adaptive``."""
+        if self.granularity != "adaptive":
+            return budget
+        if isinstance(budget, numbers.Integral):
+            return math.floor(self.head_cap * budget)
+        return jnp.floor(self.head_cap * budget.astype(jnp.float32)).astype(jnp.int32)
+
+    def capacity(self, n_max: int, *, prompt_len: int | None = None) -> int:
+        """Slots of the compressed cache (per row), never more than the full cache.
+
+        ``decode``: the largest row after an eviction plus one eviction period of slack.
+        ``prefill``: the largest row after the one eviction plus every later token
+        (needs ``prompt_len``, the prompt tokens prefilled). See the module docstring.
+        """
         if not self.policy.evicts or self.full_heads:
             return n_max  # hybrid: some heads keep everything, and rows share one capacity
-        return min(self.max_budget(n_max) + self.evict_every, n_max)
+        if self.protocol == "decode":
+            return min(self.max_row_tokens(self.max_budget(n_max)) + self.evict_every, n_max)
+        if prompt_len is None or not 0 < prompt_len <= n_max:
+            raise ValueError(f"the prefill protocol needs prompt_len in [1, {n_max}]")
+        kept = self.max_row_tokens(self.max_budget(prompt_len))
+        return min(kept + n_max - prompt_len, n_max)
 
 
 def _is_real(x) -> bool:
@@ -122,8 +196,15 @@ def _check_int(name: str, value) -> None:
         raise ValueError(f"{name} must be >= 1, got {value}")
 
 
+def row_granularity(granularity: str) -> str:
+    """The policy granularity a selection granularity needs: ``adaptive`` pools per-head
+    scores, so it needs a policy that supports ``head``."""
+    return "head" if granularity == "adaptive" else granularity
+
+
 def aggregate(scores, granularity: str, shape_LBKC) -> jax.Array:
-    """Averages scores over the axes a granularity shares; returns [L, B, K, C] (broadcast)."""
+    """Averages scores over the axes a granularity shares; returns [L, B, K, C] (broadcast).
+    ``head`` and ``adaptive`` keep per-head scores as they are."""
     if scores.ndim == 2:  # [B, C]: one score per token
         if granularity != "shared":
             raise ValueError("per-token scores only support granularity 'shared'")
@@ -140,12 +221,14 @@ def aggregate(scores, granularity: str, shape_LBKC) -> jax.Array:
 def drop_mask(scores_LBKC, pos_LBKC, budget_B, *, max_drop: int, keep_rows=None):
     """Slots to free so that each row keeps its ``budget`` highest-scored tokens.
 
+    ``budget_B`` is one budget per sequence ([B]) or per row ([L, B, K], ``adaptive``).
     Only the ``max_drop`` lowest-scored occupied slots of a row are candidates (static).
     Ties break towards dropping the lower slot index. ``keep_rows`` ([L, B, K] bool) marks
     rows that keep everything (head-level hybrid).
     """
     valid = pos_LBKC >= 0
-    n_drop = jnp.maximum(jnp.sum(valid, axis=-1) - budget_B[None, :, None], 0)
+    keep = budget_B[None, :, None] if budget_B.ndim == 1 else budget_B
+    n_drop = jnp.maximum(jnp.sum(valid, axis=-1) - keep, 0)
     if keep_rows is not None:
         n_drop = jnp.where(keep_rows, 0, n_drop)
     s = jnp.where(valid, scores_LBKC.astype(jnp.float32), jnp.inf)
@@ -194,8 +277,51 @@ def evict(
         scores, pos = scores[one], pos[one]
     if max_drop is None:
         max_drop = cache.capacity
-    drop = drop_mask(scores, pos, budget_B, max_drop=max_drop, keep_rows=keep_rows)
+    keep = budget_B
+    if compression.granularity == "adaptive":
+        keep = adaptive_budgets(
+            scores,
+            pos,
+            budget_B,
+            floor_B=jnp.floor(compression.head_floor * budget_B).astype(jnp.int32),
+            cap_B=compression.max_row_tokens(budget_B),
+        )
+        # one head may give up the slots of all K heads' new tokens
+        max_drop = min(max_drop * pos.shape[2], cache.capacity)
+    drop = drop_mask(scores, pos, keep, max_drop=max_drop, keep_rows=keep_rows)
     return kvcache.free_slots(cache, drop)
+
+
+def adaptive_budgets(scores_LBKC, pos_LBKC, budget_B, *, floor_B, cap_B) -> jax.Array:
+    """AdaKV's allocation: how many tokens each (layer, sequence, KV head) row keeps.
+
+    Per layer and sequence the heads' occupied slots are pooled and the K * B best kept:
+    each head's ``floor`` best first (the safeguard), then the rest by score, a head taking
+    at most ``cap`` (ties: lower head first, then higher-ranked slot). With fewer than
+    K * B occupied slots every row keeps all of its own.
+
+    Args:
+        scores_LBKC: keep-scores per slot (comparable across the heads of a layer).
+        pos_LBKC: slot positions (-1: free).
+        budget_B: B per sequence; floor_B, cap_B: per-head bounds ([B] int32).
+
+    Returns:
+        [L, B, K] int32 tokens per row; each layer's rows sum to min(K * B, occupied).
+    """
+    L, B, K, C = scores_LBKC.shape
+    s = jnp.where(pos_LBKC >= 0, scores_LBKC.astype(jnp.float32), -jnp.inf)
+    ranked = -jnp.sort(-s, axis=-1)  # each head's scores, best first
+    j = jnp.arange(C)
+    occupied = ranked > -jnp.inf
+    floor = floor_B[None, :, None, None]
+    cap = cap_B[None, :, None, None]
+    # a head's i-th best is a candidate while i < cap; its first ``floor`` are taken first
+    cand = jnp.where(occupied & (j < floor), jnp.inf, jnp.where(j < cap, ranked, -jnp.inf))
+    order = jnp.argsort(-cand.reshape(L, B, K * C), axis=-1, stable=True)
+    rank = jnp.argsort(order, axis=-1).reshape(L, B, K, C)
+    usable = occupied & (j < jnp.maximum(cap, floor))
+    taken = usable & (rank < (K * budget_B)[None, :, None, None])
+    return jnp.sum(taken, axis=-1).astype(jnp.int32)
 
 
 # One row per token set, as an index into [L, B, K, C] that keeps the axes.

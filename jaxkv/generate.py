@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxkv import eviction, kvcache
+from jaxkv import eviction, kvcache, policies
 from jaxkv.config import ModelConfig
 from jaxkv.eviction import Compression
 from jaxkv.kvcache import KVCache
@@ -95,7 +95,8 @@ def decode_loop(
     compression: Compression | None = None,
     policy_state=None,
 ) -> DecodeState:
-    """Decodes until every sequence stopped or ``tokens`` is full, evicting as it goes.
+    """Decodes until every sequence stopped or ``tokens`` is full, evicting as it goes
+    (``decode`` protocol; under ``prefill`` the cache only grows).
 
     The token of each step comes from the unpruned pass; eviction then prepares the cache
     for the next step (paper Alg. 1).
@@ -110,7 +111,7 @@ def decode_loop(
         tokens = s.tokens.at[:, s.step].set(jnp.where(s.done, pad_id, s.next_token))
         done = s.done | _is_stop(s.next_token, stop_tokens)
         logits, cache = decoder.decode_step(params, s.next_token, s.cache, config=config)
-        if compression is not None and compression.policy.evicts:
+        if compression is not None and compression.evicts_in_decode:
             due = (s.step + 1) % compression.evict_every == 0
             cache = jax.lax.cond(
                 due,
@@ -244,7 +245,8 @@ def generate_tokens(
         pad_id: id written after a sequence stopped.
         key: PRNG key for sampling and random policies.
         compression: KV-cache compression (None: full cache).
-        policy_state: the policy's state (``compression.policy.init()`` when None).
+        policy_state: the policy's state (when None, ``init()`` of the policy bound to
+            ``params``: ``jaxkv.policies.with_model``).
 
     Returns:
         For each prompt, the generated ids up to and including the first stop token.
@@ -259,7 +261,7 @@ def generate_tokens(
             f"{max_new_tokens} new tokens exceeds the model's max_seq_len {config.max_seq_len}"
         )
     capacity, cache, policy_state = _run_cache(
-        config, len(prompts), n_max, prompt_BT.shape[1], compression, policy_state
+        params, config, len(prompts), n_max, prompt_BT.shape[1], compression, policy_state
     )
     with warnings.catch_warnings():
         # a prompt longer than the compressed capacity is compacted into a smaller cache,
@@ -283,13 +285,15 @@ def generate_tokens(
     return _trim(np.asarray(state.tokens), np.asarray(state.step), set(stop_tokens))
 
 
-def _run_cache(config, batch, n_max, prompt_len, compression, policy_state):
+def _run_cache(params, config, batch, n_max, prompt_len, compression, policy_state):
     """(loop capacity, prefill cache, policy state) of a run of ``n_max`` tokens: the
     prefill cache holds the whole prompt, the loop cache the compressed capacity."""
-    capacity = n_max if compression is None else compression.capacity(n_max)
+    capacity = n_max
+    if compression is not None:
+        capacity = compression.capacity(n_max, prompt_len=prompt_len)
     evicts = compression is not None and compression.policy.evicts
     if compression is not None and policy_state is None:
-        policy_state = compression.policy.init()
+        policy_state = policies.with_model(compression.policy, params).init()
     cache = kvcache.init_cache(
         config,
         batch_size=batch,
@@ -433,7 +437,7 @@ def _teacher_forced_jit(
     def step(cache, xs):
         i, token_B = xs
         out, cache = decoder.decode_step(params, token_B, cache, config=config)
-        if compression is not None and compression.policy.evicts:
+        if compression is not None and compression.evicts_in_decode:
             due = (i + 1) % compression.evict_every == 0
             cache = jax.lax.cond(
                 due,
@@ -468,7 +472,8 @@ def teacher_forced(
     """Logits of a compressed cache fed a fixed token stream (teacher forcing).
 
     The first ``prompt_len`` tokens are prefilled (then evicted down to the budget); each
-    later token is decoded one at a time with eviction after every step, as in generation.
+    later token is decoded one at a time, with eviction after every step under the
+    ``decode`` protocol and none under ``prefill``, as in generation.
 
     Returns:
         Logits [B, T - prompt_len, V] predicting tokens ``prompt_len .. T-1`` (the same
@@ -477,7 +482,9 @@ def teacher_forced(
     B, T = tokens_BT.shape
     if not 0 < prompt_len < T:
         raise ValueError(f"prompt_len must be in [1, {T - 1}], got {prompt_len}")
-    capacity, cache, policy_state = _run_cache(config, B, T, prompt_len, compression, policy_state)
+    capacity, cache, policy_state = _run_cache(
+        params, config, B, T, prompt_len, compression, policy_state
+    )
     return _teacher_forced_jit(
         params,
         jnp.asarray(tokens_BT, jnp.int32),
@@ -488,4 +495,40 @@ def teacher_forced(
         prompt_len=prompt_len,
         compression=compression,
         capacity=capacity,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("config", "prompt_len"))
+def _full_cache_attention_jit(params, tokens_BT, cache, *, config, prompt_len):
+    _, cache = decoder.prefill(params, tokens_BT[:, :prompt_len], cache, config=config)
+
+    def step(cache, token_B):
+        _, cache = decoder.decode_step(params, token_B, cache, config=config)
+        return cache, cache.stats["attn"]
+
+    _, attn_QLBKS = jax.lax.scan(step, cache, tokens_BT[:, prompt_len:-1].T)
+    return attn_QLBKS
+
+
+def full_cache_attention(
+    params: dict, tokens_BT: jax.Array, *, prompt_len: int, config: ModelConfig
+) -> jax.Array:
+    """The attention of a teacher-forced stream's queries under the full cache: what the
+    ``oracle`` policy reads (``jaxkv.policies.oracle.future_attention``).
+
+    The same run as ``teacher_forced`` without compression, whose decode steps feed the
+    tokens at positions ``prompt_len .. T-2``. Its cache never evicts and has no padding, so
+    slot s holds position s, and the ``attn`` statistic after each step (the step's query,
+    mean over the KV group's query heads) is that query's attention over positions.
+
+    Returns:
+        [T - prompt_len - 1, L, B, K, T] float32: row i is the attention of the query at
+        position ``prompt_len + i`` (zero on positions after it).
+    """
+    B, T = tokens_BT.shape
+    if not 0 < prompt_len < T:
+        raise ValueError(f"prompt_len must be in [1, {T - 1}], got {prompt_len}")
+    cache = kvcache.init_cache(config, batch_size=B, capacity=T, stats=("attn",))
+    return _full_cache_attention_jit(
+        params, jnp.asarray(tokens_BT, jnp.int32), cache, config=config, prompt_len=prompt_len
     )

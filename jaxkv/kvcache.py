@@ -8,6 +8,8 @@ New tokens go into the first free slots of each (layer, sequence, KV head) row, 
 token is just freeing its slot (``free_slots``): no key or value moves. ``gather`` compacts a
 cache into a new capacity (after prefill, when a long prompt is cut to its budget).
 ``length[b]`` counts the tokens sequence b has processed: the position of its next token.
+Rows may hold different tokens and different numbers of them (per-head and ``adaptive``
+selection, ``jaxkv.eviction``): C is the most one row can hold, the rest of a row is free.
 """
 
 from __future__ import annotations

@@ -84,6 +84,35 @@ def test_switch_policy_reproduces_each_member_alone(model):
     )
 
 
+def test_switch_policy_reproduces_each_member_under_prefill_and_adaptive(model):
+    members = runner.bind_groups(
+        runner.parse_policies("tova,critical:h2o"), model
+    )  # critical: binds W_o
+    members = [g.members[0] for g in members]
+    switch = runner.switch_policy(members, granularity="adaptive")
+    comp = runner.switch_compression(
+        switch, ratio=0.3, min_budget=8, protocol="prefill", granularity="adaptive"
+    )
+    assert comp.granularity == "adaptive" and comp.protocol == "prefill"
+    tokens = jax.random.randint(jax.random.key(1), (2, 80), 1, 256)
+    for i, member in enumerate(members):
+        got, _ = teacher_forced(
+            model.params,
+            tokens,
+            prompt_len=40,
+            config=model.config,
+            compression=comp,
+            policy_state=runner.switch_state(members, i),
+        )
+        alone = Compression(
+            policy=member, ratio=0.3, min_budget=8, granularity="adaptive", protocol="prefill"
+        )
+        want, _ = teacher_forced(
+            model.params, tokens, prompt_len=40, config=model.config, compression=alone
+        )
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 def test_switch_policy_rejects_full_and_parse_errors_are_clear():
     with pytest.raises(ValueError, match="never evicts"):
         runner.switch_policy([get_policy("full")])
@@ -124,6 +153,22 @@ def test_fidelity_end_to_end_and_ratio_one_is_the_full_cache_exactly(tmp_path):
     assert random_half["n_seeds"] == 2 and random_half["kl_std"] > 0.0
     assert (tmp_path / "fidelity_ppl.png").stat().st_size > 0
     assert (tmp_path / "fidelity_kl.png").stat().st_size > 0
+
+
+def test_fidelity_under_prefill_and_adaptive_with_the_oracle_and_critical(tmp_path):
+    args = ["fidelity", *TINY, *WINDOWS, "--limit", "2", "--ratios", "1,0.5", "--seeds", "0"]
+    args += ["--policies", "full,h2o,critical:tova,oracle", "--protocol", "prefill"]
+    assert _run([*args, "--granularity", "adaptive"], tmp_path) == 0
+    doc = _load(tmp_path, "fidelity")
+    assert doc["config"]["protocol"] == "prefill" and doc["config"]["granularity"] == "adaptive"
+    rows = {(r["policy"], r["ratio"]): r for r in doc["results"]}
+    assert set(rows) == {
+        (p, r) for p in ("full", "h2o", "critical:tova", "oracle") for r in (1, 0.5)
+    }
+    for policy in ("h2o", "critical:tova", "oracle"):
+        assert rows[(policy, 1.0)]["kl_mean"] == 0.0
+        assert rows[(policy, 0.5)]["kl_mean"] > 0.0
+    assert rows[("oracle", 0.5)]["kl_mean"] < rows[("h2o", 0.5)]["kl_mean"]
 
 
 def test_learned_checkpoint_seeds_give_mean_and_std(model, tmp_path):
@@ -288,6 +333,12 @@ def test_longbench_end_to_end_and_malformed_line_keeps_partial_results(tmp_path,
         (["fidelity", "--policies", "h2o,bogus"], "unknown policy 'bogus'"),
         (["fidelity", "--policies", "learned:/nonexistent/ckpt"], "learned"),
         (["fidelity", "--ratios", "0"], "--ratios must lie in (0, 1]"),
+        (
+            ["fidelity", "--policies", "learned:distillcache_smollm2_cpu", "--granularity", "head"],
+            "does not support granularity 'head'",
+        ),
+        (["gsm8k", "--policies", "critical:h2o"], "critical:h2o is available in"),
+        (["positions", "--policies", "h2o,oracle"], "oracle policy needs"),
     ],
 )
 def test_bad_input_gives_a_clear_error(args, message, tmp_path, capsys):

@@ -5,9 +5,10 @@ and the shipped learned policy on the embedded model (``jaxkv.cli.suite.DEFAULT_
 to a new ``runs/fidelity-<YYYYmmdd-HHMMSS>/``.
 
 Every flag is checked before the model loads: ``generate --budget 0`` says "must be an integer
->= 1", ``--ratio``/``--budget``/``--min-budget``/``--granularity``/``--evict-every`` without an
-evicting ``--policy`` are an error (not silently ignored), and a bad ``learned:`` folder is one
-line, ``error: ...``, exit status 2.
+>= 1", ``--ratio``/``--budget``/``--min-budget``/``--granularity``/``--evict-every``/``--protocol``
+without an evicting ``--policy`` are an error (not silently ignored), ``--policy oracle`` is one
+(it needs a teacher-forced stream: fidelity only), and a bad ``learned:`` folder is one line,
+``error: ...``, exit status 2.
 
 Subcommands:
     generate   generate text with the embedded (or any) model, optionally compressed
@@ -26,11 +27,12 @@ import jaxkv
 from jaxkv.cli import flags, suite
 from jaxkv.cli import kvlearn as kvlearn_cli
 from jaxkv.evals import runner
-from jaxkv.eviction import Compression
-from jaxkv.policies import GRANULARITIES, policy_names
+from jaxkv.eviction import GRANULARITIES, PROTOCOLS, Compression
+from jaxkv.policies import policy_names
 
 PROG = "python -m jaxkv.eval"
-COMPRESSION_FLAGS = ("ratio", "budget", "min_budget", "granularity", "evict_every")
+COMPRESSION_FLAGS = ("ratio", "budget", "min_budget", "granularity", "evict_every", "protocol")
+SETTINGS = ("min_budget", "granularity", "evict_every", "protocol")
 DEFAULT_RATIO = 0.25
 
 
@@ -61,6 +63,11 @@ def generate_compression(args: argparse.Namespace) -> dict:
         return {}
     if args.ratio is not None and args.budget is not None:
         raise ValueError("give --ratio or --budget, not both")
+    if args.policy == "oracle":
+        raise ValueError(
+            "--policy oracle needs the full-cache attention of a fixed token stream; only "
+            "'fidelity' computes it (python -m jaxkv.eval fidelity --policies oracle,...)"
+        )
     policy = args.policy
     if policy.startswith("learned:"):
         spec = policy.split(":", 1)[1]
@@ -72,9 +79,7 @@ def generate_compression(args: argparse.Namespace) -> dict:
         ratio=DEFAULT_RATIO if args.ratio is None and args.budget is None else args.ratio,
         budget=args.budget,
     )
-    compression.update(
-        {f: getattr(args, f) for f in ("min_budget", "granularity", "evict_every") if f in given}
-    )
+    compression.update({f: getattr(args, f) for f in SETTINGS if f in given})
     Compression.make(**compression)  # validate before the slow model load
     return compression
 
@@ -144,12 +149,24 @@ def _generate_flags(parser: argparse.ArgumentParser) -> None:
         "--budget", type=flags.positive_int, default=None, help="absolute budget instead of --ratio"
     )
     g.add_argument("--min-budget", type=flags.positive_int, default=None, help="B_min (default 32)")
-    g.add_argument("--granularity", default=None, choices=GRANULARITIES, help="default: shared")
+    g.add_argument(
+        "--granularity",
+        default=None,
+        choices=GRANULARITIES,
+        help="default: shared; adaptive = AdaKV (a layer's budget pooled over its KV heads)",
+    )
     g.add_argument(
         "--evict-every",
         type=flags.positive_int,
         default=None,
         help="evict every k decode steps (default 1)",
+    )
+    g.add_argument(
+        "--protocol",
+        default=None,
+        choices=PROTOCOLS,
+        help="decode: evict during decoding (default, the paper); prefill: compress the prompt "
+        "once, then keep every generated token",
     )
 
 

@@ -25,7 +25,10 @@ weights with a byte tokenizer, for tests), ``--policies``, ``--ratios``, ``--see
 committed ``results/`` is only written when named. ``gsm8k``, ``bbh`` and ``longbench`` read
 the full public sets with ``--hub SOURCE``, ``fidelity`` reads WikiText with ``--wikitext
 SOURCE`` (a hub name, or a local file or folder in the hub's layout: ``jaxkv.evals.hub``; they
-need the ``hf`` extra).
+need the ``hf`` extra). ``fidelity`` also takes ``--protocol {decode,prefill}`` (evict at every
+decode step, or compress the prompt once) and ``--granularity {shared,layer,head,adaptive}``
+(``jaxkv.eviction``); it alone can run the ``oracle`` bound, and ``critical:<policy>`` runs in
+``fidelity``, ``retrieval`` and ``agreement`` (it reads the loaded model's W_o).
 
 Every argument is checked before anything loads or is written: numbers by their flag types
 (``jaxkv.cli.flags``), then the lists, policies (learned checkpoints included), input files and
@@ -50,6 +53,7 @@ from pathlib import Path
 
 import jax
 
+from jaxkv import eviction
 from jaxkv.cli import flags
 from jaxkv.evals import (
     agreement,
@@ -63,6 +67,7 @@ from jaxkv.evals import (
     runner,
 )
 from jaxkv.model.loading import cache_dir
+from jaxkv.policies import CRITICAL_PREFIX, needs_future
 
 HEURISTICS = "random,streaming_llm,h2o,snapkv,tova,keydiff,knorm"
 SHIPPED_POLICY = "learned:distillcache_smollm2_cpu"
@@ -116,8 +121,10 @@ def _common(parser: argparse.ArgumentParser, *, ratios: str, policies: str, limi
         "--policies",
         default=policies,
         help="comma list: full, random, streaming_llm, h2o, snapkv, tova, keydiff, knorm, "
-        "learned:<checkpoint> (a folder, or a checkpoint shipped in jaxkv/checkpoints/: "
-        "learned:distillcache_smollm2_cpu; several checkpoints as seeds: learned:a+b or a glob)",
+        "critical:<policy> (CriticalKV over a policy; fidelity, retrieval, agreement), oracle "
+        "(future-attention upper bound; fidelity only), learned:<checkpoint> (a folder, or a "
+        "checkpoint shipped in jaxkv/checkpoints/: learned:distillcache_smollm2_cpu; several "
+        "checkpoints as seeds: learned:a+b or a glob)",
     )
     parser.add_argument("--ratios", default=ratios, help="budget ratios r in (0, 1], comma list")
     parser.add_argument(
@@ -139,11 +146,14 @@ def _common(parser: argparse.ArgumentParser, *, ratios: str, policies: str, limi
     )
 
 
-def _job(args: argparse.Namespace) -> runner.Job:
-    """The shared flags, checked (the policies loaded): ratios, seeds, then policies."""
+def _job(args: argparse.Namespace, command: str) -> runner.Job:
+    """The shared flags, checked (the policies loaded): ratios, seeds, then policies, then
+    the policies ``command`` can run."""
     ratios = runner.parse_ratios(args.ratios)
     seeds = flags.parse_seeds(args.seeds)
     groups = runner.parse_policies(args.policies)
+    _check_families(groups, command)
+    selection = {n: getattr(args, n) for n in ("protocol", "granularity") if hasattr(args, n)}
     return runner.Job(
         model=args.model,
         groups=tuple(groups),
@@ -160,7 +170,31 @@ def _job(args: argparse.Namespace) -> runner.Job:
         limit=args.limit,
         min_budget=args.min_budget,
         batch_size=args.batch,
+        **selection,
     )
+
+
+# Subcommands that can run the policies that need more than a cache: the oracle reads the
+# full-cache attention of a fixed token stream (teacher forcing only); critical: reads the
+# model's W_o (bound after the model loads: ``runner.bind_groups``).
+ORACLE_COMMANDS = ("fidelity",)
+CRITICAL_COMMANDS = ("fidelity", "retrieval", "agreement")
+
+
+def _check_families(groups, command: str) -> None:
+    members = [p for g in groups for p in g.members]
+    if command not in ORACLE_COMMANDS and any(needs_future(p) for p in members):
+        raise ValueError(
+            f"the oracle policy needs the full-cache attention of a fixed token stream; only "
+            f"{', '.join(ORACLE_COMMANDS)} computes it (it is an upper bound, not a policy to "
+            f"run in {command})"
+        )
+    critical = [p.name for p in members if p.name.startswith(CRITICAL_PREFIX)]
+    if critical and command not in CRITICAL_COMMANDS:
+        raise ValueError(
+            f"{critical[0]} is available in {', '.join(CRITICAL_COMMANDS)} and generate, "
+            f"not in {command}"
+        )
 
 
 def _needs(args: argparse.Namespace, flag: str, *others: str) -> None:
@@ -195,6 +229,25 @@ def _fidelity_flags(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="tail fraction of the text used, in (0, 1] (1 = all of it; default 0.1, and 1 "
         "with --wikitext)",
+    )
+    _selection_flags(parser)
+
+
+def _selection_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--protocol",
+        default="decode",
+        choices=eviction.PROTOCOLS,
+        help="decode: evict at every decode step, B_t = max(r*N_t, B_min) (the paper); "
+        "prefill: compress the prompt once to max(r*N_prompt, B_min), then never evict "
+        "(kvpress)",
+    )
+    parser.add_argument(
+        "--granularity",
+        default="shared",
+        choices=eviction.GRANULARITIES,
+        help="shared: one token set for all layers and heads (the paper); layer; head; "
+        "adaptive: AdaKV, a layer's K*B tokens pooled over its KV heads (2x the slots of head)",
     )
 
 
@@ -408,7 +461,7 @@ def run_eval(entry: Eval, args: argparse.Namespace) -> int:
     try:
         out = args.out = check_out_dir(args.out or new_run_dir(entry.name))
         before = _identity(out / f"{entry.name}.json")
-        _print_results(entry.run(args, _job(args)))
+        _print_results(entry.run(args, _job(args, entry.name)))
     except (ValueError, OSError, ImportError) as err:
         print(f"error: {err}", file=sys.stderr)
         _note_partial(out, entry.name, before)

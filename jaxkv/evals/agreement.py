@@ -192,7 +192,7 @@ def evaluate(
     )
     benchmarks.run_generation(
         model,
-        job.groups,
+        runner.bind_groups(job.groups, model),
         examples=found,
         ratios=job.ratios,
         seeds=job.seeds,

@@ -2,9 +2,11 @@
 
 Held-out text is cut into token windows (``tasks.text_windows``). For each window the first
 ``prompt_len`` tokens are prefilled (and evicted down to the budget), then the rest of the window
-is teacher-forced one token at a time with eviction after every step (``generate.teacher_forced``,
-as in generation). At each step the pruned cache's next-token distribution Q is compared with
-the full cache's P on the same prefix:
+is teacher-forced one token at a time (``generate.teacher_forced``, as in generation): with
+eviction after every step under the ``decode`` protocol (the paper's), with none under
+``prefill`` (compress once, kvpress's). ``granularity`` is the selection's (shared, layer, head,
+adaptive: ``jaxkv.eviction``). At each step the pruned cache's next-token distribution Q is
+compared with the full cache's P on the same prefix:
 
 * ``kl_mean``: mean over steps and windows of KL(P || Q) in nats (``metrics.kl_divergence``);
 * ``ppl``: perplexity of the continuation tokens under Q; ``ppl_full`` under P;
@@ -18,6 +20,11 @@ policy's checkpoints); a deterministic policy runs once (std 0, ``n_seeds = 1``)
 The full-cache reference is the same teacher-forced loop without compression; with r = 1 the
 compressed loop reproduces it bit for bit, so those rows show KL = 0 exactly. The ``full``
 policy (which never evicts) is that reference and is reported without a second run.
+
+The ``oracle`` policy (``jaxkv.policies.oracle``) reads the attention the window's future
+queries pay under the full cache: a second full-cache pass per batch of windows computes it
+(``generate.full_cache_attention``). It is the upper bound to report beside the policies, and
+runs outside the switch of the others (its state is that attention, per batch).
 
 ``evaluate`` is the whole job (``python -m jaxkv.eval fidelity``): the text is a file
 (tinyshakespeare by default) or WikiText through ``hub``.
@@ -42,7 +49,9 @@ from jaxkv.evals.runner import (
     switch_state,
 )
 from jaxkv.eviction import Compression
-from jaxkv.generate import teacher_forced
+from jaxkv.generate import full_cache_attention, teacher_forced
+from jaxkv.policies import needs_future
+from jaxkv.policies import oracle as oracle_lib
 
 NAME = "fidelity"
 TITLE = "Fidelity to the full cache (teacher forcing, paper Fig. 1)"
@@ -57,11 +66,15 @@ class FidelitySettings:
         prompt_len: tokens of each window prefilled before teacher forcing starts.
         batch_size: windows per compiled call (the last batch is padded by repetition).
         min_budget: B_min of every compression.
+        protocol: ``decode`` (evict at every step) or ``prefill`` (compress once).
+        granularity: ``shared``, ``layer``, ``head`` or ``adaptive``.
     """
 
     prompt_len: int = 256
     batch_size: int = 4
     min_budget: int = 32
+    protocol: str = "decode"
+    granularity: str = "shared"
 
 
 def stream_logits(
@@ -73,14 +86,23 @@ def stream_logits(
     policy_state=None,
     seed: int = 0,
 ) -> np.ndarray:
-    """Teacher-forced logits [N, T - prompt_len, V] of every window, in fixed-size batches."""
+    """Teacher-forced logits [N, T - prompt_len, V] of every window, in fixed-size batches.
+
+    A policy that reads the future (the oracle) gets, per batch, the full-cache attention of
+    the batch's future queries as its state (``policy_state`` is then ignored)."""
     n, b = len(windows_NT), min(settings.batch_size, len(windows_NT))
+    future = compression is not None and needs_future(compression.policy)
     out = []
     for start in range(0, n, b):
         chunk = windows_NT[start : start + b]
         real = len(chunk)
         if real < b:  # keep one compiled shape: pad with copies of the last window
             chunk = np.concatenate([chunk, np.repeat(chunk[-1:], b - real, axis=0)])
+        if future:
+            attn = full_cache_attention(
+                model.params, chunk, prompt_len=settings.prompt_len, config=model.config
+            )
+            policy_state = oracle_lib.future_attention(attn, first_query=settings.prompt_len)
         logits, _ = teacher_forced(
             model.params,
             chunk,
@@ -131,7 +153,8 @@ def run(
             f"{windows_NT.shape[1]} tokens, got {settings.prompt_len}"
         )
     targets = windows_NT[:, settings.prompt_len :]
-    members = [p for g in groups if not g.is_full for p in g.members]
+    groups = runner.bind_groups(groups, model)
+    members = [p for g in groups if not g.is_full for p in g.members if not needs_future(p)]
     n_cells = len(ratios) * sum(1 if g.is_full else len(g.runs(seeds)) for g in groups)
     with report.progress(n_cells + 1, desc=NAME) as bar:
         ref = stream_logits(model, windows_NT, settings=settings, compression=None)
@@ -142,19 +165,27 @@ def run(
             comp = None
             if members:
                 comp = switch_compression(
-                    switch_policy(members), ratio=ratio, min_budget=settings.min_budget
+                    switch_policy(members, granularity=settings.granularity),
+                    ratio=ratio,
+                    min_budget=settings.min_budget,
+                    protocol=settings.protocol,
+                    granularity=settings.granularity,
                 )
             for group in groups:
                 for member, seed in [(None, seeds[0])] if group.is_full else group.runs(seeds):
                     if member is None:
                         cell = _scores(ref, ref, targets)
                     else:
-                        state = switch_state(members, members.index(member))
+                        if needs_future(member):
+                            member_comp, state = _alone(member, ratio, settings), None
+                        else:
+                            member_comp = comp
+                            state = switch_state(members, members.index(member))
                         logits = stream_logits(
                             model,
                             windows_NT,
                             settings=settings,
-                            compression=comp,
+                            compression=member_comp,
                             policy_state=state,
                             seed=seed,
                         )
@@ -171,6 +202,17 @@ def run(
                     )
                     bar.update()
     return store.results()
+
+
+def _alone(policy, ratio: float, settings: FidelitySettings) -> Compression:
+    """The Compression of one policy run outside the switch (the oracle)."""
+    return Compression(
+        policy=policy,
+        ratio=ratio,
+        min_budget=settings.min_budget,
+        granularity=settings.granularity,
+        protocol=settings.protocol,
+    )
 
 
 def summarize(records: list[dict]) -> list[dict]:
@@ -251,6 +293,28 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
 # The job
 
 
+def _non_default_selection(settings: FidelitySettings) -> dict:
+    """The protocol and granularity for the result file's config, each only when it is not
+    the default (so that default runs keep their earlier files byte for byte)."""
+    default = FidelitySettings()
+    return {
+        name: getattr(settings, name)
+        for name in ("protocol", "granularity")
+        if getattr(settings, name) != getattr(default, name)
+    }
+
+
+def check_selection(job: Job) -> None:
+    """Every evicting policy of ``job`` supports its granularity and protocol (raises the
+    ``Compression`` error naming the policy, before the model loads)."""
+    for group in job.groups:
+        for policy in group.members:
+            if policy.evicts:
+                Compression(
+                    policy=policy, ratio=1.0, granularity=job.granularity, protocol=job.protocol
+                )
+
+
 def check_prompt_len(*, window: int, prompt_len: int) -> None:
     """``prompt_len`` must leave at least one token of the ``window`` to teacher-force."""
     if not 0 < prompt_len < window:
@@ -285,12 +349,13 @@ def evaluate(
         wikitext_split: its split.
 
     Raises:
-        ValueError, FileNotFoundError: ``prompt_len`` not below ``window``, a bad text, or too
-            little of it for the windows, before the model loads; windows longer than the
-            model's context.
+        ValueError, FileNotFoundError: ``prompt_len`` not below ``window``, a policy that
+            does not support ``job.granularity``, a bad text, or too little of it for the
+            windows, before the model loads; windows longer than the model's context.
         ImportError: ``wikitext`` without the ``datasets`` extra.
     """
     check_prompt_len(window=window, prompt_len=prompt_len)
+    check_selection(job)
     if text is not None and wikitext is not None:
         raise ValueError("give a text file or WikiText, not both")
     body = None
@@ -305,7 +370,11 @@ def evaluate(
     runner.check_fits(model, window, what="--window")
     windows = tasks.text_windows(text, tokenizer=model.tokenizer, **cut)
     settings = FidelitySettings(
-        prompt_len=prompt_len, batch_size=job.batch_size, min_budget=job.min_budget
+        prompt_len=prompt_len,
+        batch_size=job.batch_size,
+        min_budget=job.min_budget,
+        protocol=job.protocol,
+        granularity=job.granularity,
     )
     store = report.ResultStore(
         job.out,
@@ -318,6 +387,7 @@ def evaluate(
             "prompt_len": prompt_len,
             "windows": len(windows),
             "heldout": heldout,
+            **_non_default_selection(settings),
         },
         summarize=summarize,
         render=render,

@@ -156,10 +156,11 @@ def evaluate(
         for name in task_names
         for n in lengths
     ]
+    groups = runner.bind_groups(job.groups, model)  # critical: reads the model's W_o
     for batch in batches:
         benchmarks.run_generation(
             model,
-            job.groups,
+            groups,
             examples=batch,
             ratios=job.ratios,
             seeds=job.seeds,

@@ -16,8 +16,10 @@
   the 30-layer model costs ~25 s, so compiling once per (ratio, shape) instead of once per
   (policy, ratio, shape) is what keeps the suite's runs short. The selection is the member's
   own: each branch aggregates its scores with the member granularity, and the outer
-  ``Compression`` uses granularity ``"head"`` (no further averaging), so the kept tokens and
-  the logits equal a run with the member alone (tested).
+  ``Compression`` uses granularity ``"head"`` (no further averaging; ``"adaptive"`` when the
+  members' is), so the kept tokens and the logits equal a run with the member alone (tested).
+* ``bind_groups``: the groups with each policy bound to the model it reads
+  (``jaxkv.policies.with_model``: ``critical:`` reads W_o), after the model loads.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from jaxkv.eviction import Compression
 from jaxkv.generate import generate_tokens, stop_token_ids
 from jaxkv.model.loading import load_model
 from jaxkv.model.params import init_params
-from jaxkv.policies import Policy, get_policy
+from jaxkv.policies import Policy, get_policy, with_model
 from jaxkv.policies import learned as learned_lib
 
 TINY = "tiny"
@@ -179,6 +181,8 @@ class Job:
         limit: examples (windows) to run; None: all of them.
         min_budget: B_min of every compression.
         batch_size: sequences per compiled call.
+        protocol: ``decode`` or ``prefill`` (``jaxkv.eviction.PROTOCOLS``).
+        granularity: the selection granularity (``jaxkv.eviction.GRANULARITIES``).
     """
 
     model: str
@@ -190,6 +194,8 @@ class Job:
     limit: int | None = None
     min_budget: int = 32
     batch_size: int = 4
+    protocol: str = "decode"
+    granularity: str = "shared"
 
 
 def parse_list(text: str, *, kind: type, what: str) -> list:
@@ -228,10 +234,9 @@ def parse_policies(text: str) -> list[PolicyGroup]:
     for item in parse_list(text, kind=str, what="--policies"):
         if item.startswith("learned:"):
             groups.append(_learned_group(item.split(":", 1)[1]))
-        elif item == "random":
-            groups.append(PolicyGroup(item, (get_policy(item),), seeded=True))
         else:
-            groups.append(PolicyGroup(item, (get_policy(item),)))
+            seeded = item.split(":")[-1] == "random"  # random, critical:random
+            groups.append(PolicyGroup(item, (get_policy(item),), seeded=seeded))
     labels = [g.label for g in groups]
     if len(set(labels)) != len(labels):
         raise ValueError(f"--policies names a policy twice: {labels}")
@@ -275,10 +280,21 @@ def load_learned_policy(spec: str | os.PathLike) -> Policy:
         raise ValueError(f"cannot load learned policy {str(path)!r}: {first}") from err
 
 
+def bind_groups(groups: Sequence[PolicyGroup], model: EvalModel) -> tuple[PolicyGroup, ...]:
+    """``groups`` with every member bound to ``model`` (``jaxkv.policies.with_model``).
+
+    Bound members equal the unbound ones, so lookups by policy keep working."""
+    return tuple(
+        dataclasses.replace(g, members=tuple(with_model(p, model.params) for p in g.members))
+        for g in groups
+    )
+
+
 def switch_policy(members: Sequence[Policy], *, granularity: str = "shared") -> Policy:
     """One Policy for several evicting policies; its state ``(index, states)`` picks one.
 
-    Use it with ``switch_compression``; build the state with ``switch_state``.
+    Use it with ``switch_compression`` (the same ``granularity``); build the state with
+    ``switch_state``.
 
     Raises:
         ValueError: no members, a non-evicting member (``full``), different ``window`` s, or a
@@ -290,7 +306,7 @@ def switch_policy(members: Sequence[Policy], *, granularity: str = "shared") -> 
     for p in members:
         if not p.evicts:
             raise ValueError(f"{p.name}: a policy that never evicts cannot join a switch")
-        if granularity not in p.granularities:
+        if eviction.row_granularity(granularity) not in p.granularities:
             raise ValueError(f"policy {p.name!r} does not support granularity {granularity!r}")
     windows = {p.window for p in members}
     if len(windows) > 1:
@@ -325,9 +341,23 @@ def switch_state(members: Sequence[Policy], index: int):
     return jnp.asarray(index, jnp.int32), tuple(p.init() for p in members)
 
 
-def switch_compression(policy: Policy, *, ratio: float, min_budget: int = 32) -> Compression:
-    """The Compression of a switch policy at ``ratio`` (granularity ``"head"``, see module)."""
-    return Compression(policy=policy, ratio=ratio, min_budget=min_budget, granularity="head")
+def switch_compression(
+    policy: Policy,
+    *,
+    ratio: float,
+    min_budget: int = 32,
+    protocol: str = "decode",
+    granularity: str = "shared",
+) -> Compression:
+    """The Compression of a switch policy at ``ratio``; ``granularity`` is the members' (that
+    of ``switch_policy``): the outer one is ``"head"``, or ``"adaptive"`` (see module)."""
+    return Compression(
+        policy=policy,
+        ratio=ratio,
+        min_budget=min_budget,
+        granularity="adaptive" if granularity == "adaptive" else "head",
+        protocol=protocol,
+    )
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,17 +1,25 @@
 """Token-eviction policies behind one interface, and their one registry.
 
 ``get_policy(name, **settings)`` builds a ``Policy`` by name: ``full``, ``random``,
-``streaming_llm``, ``h2o``, ``snapkv``, ``tova``, ``keydiff``, ``knorm``, or
+``streaming_llm``, ``h2o``, ``snapkv``, ``tova``, ``keydiff``, ``knorm``, ``oracle`` (the
+future-attention upper bound, fidelity only: ``jaxkv.policies.oracle``),
+``critical:<policy>`` (CriticalKV over any other policy: ``jaxkv.policies.critical``), or
 ``learned:<checkpoint>`` (a folder written by ``python -m jaxkv.train distillcache``, or the
 name of a checkpoint shipped in ``jaxkv/checkpoints/``, e.g. ``learned:distillcache_smollm2_cpu``).
+
+Policies that read the model's weights (``critical:``) are built unbound, before any model
+loads; ``with_model(policy, params)`` binds them (any other policy comes back unchanged).
 """
 
+import dataclasses
+import functools
 from collections.abc import Callable
 
-from jaxkv.policies import heuristics, learned
+from jaxkv.policies import critical, heuristics, learned, oracle
 from jaxkv.policies.base import GRANULARITIES, TIER, Policy
 
 LEARNED_PREFIX = "learned:"
+CRITICAL_PREFIX = critical.PREFIX
 
 _REGISTRY: dict[str, Callable[..., Policy]] = {
     "full": heuristics.full,
@@ -22,21 +30,31 @@ _REGISTRY: dict[str, Callable[..., Policy]] = {
     "tova": heuristics.tova,
     "keydiff": heuristics.keydiff,
     "knorm": heuristics.knorm,
+    oracle.NAME: oracle.oracle,
 }
 
 
 def policy_names() -> list[str]:
-    """Every name ``get_policy`` accepts (``learned:<checkpoint>`` stands for a family)."""
-    return sorted(_REGISTRY) + [LEARNED_PREFIX + "<checkpoint>"]
+    """Every name ``get_policy`` accepts (``learned:<checkpoint>`` and ``critical:<policy>``
+    stand for families)."""
+    return sorted(_REGISTRY) + [CRITICAL_PREFIX + "<policy>", LEARNED_PREFIX + "<checkpoint>"]
 
 
 def get_policy(name: str, **settings) -> Policy:
-    """A policy by registry name (``"h2o"``, ``"snapkv"``, ..., ``"learned:<checkpoint>"``).
+    """A policy by registry name (``"h2o"``, ``"snapkv"``, ..., ``"critical:h2o"``,
+    ``"learned:<checkpoint>"``). ``critical:`` settings (``epsilon``, ``first_stage_ratio``)
+    go to the wrapper; its base policy gets its defaults.
 
     Raises:
-        ValueError: unknown name, listing the valid ones; a ``learned:`` checkpoint that is
-            missing or damaged (one line naming it).
+        ValueError: unknown name, listing the valid ones; a ``critical:`` over a policy that
+            does not evict or over the oracle; a ``learned:`` checkpoint that is missing or
+            damaged (one line naming it).
     """
+    if name.startswith(CRITICAL_PREFIX):
+        inner = name.removeprefix(CRITICAL_PREFIX)
+        if inner == oracle.NAME or inner.startswith(CRITICAL_PREFIX):
+            raise ValueError(f"{name!r}: critical: wraps a scoring policy, not {inner!r}")
+        return critical.critical(get_policy(inner), **settings)
     if name.startswith(LEARNED_PREFIX):
         return learned.load_learned(name.removeprefix(LEARNED_PREFIX), **settings)
     if name not in _REGISTRY:
@@ -44,4 +62,28 @@ def get_policy(name: str, **settings) -> Policy:
     return _REGISTRY[name](**settings)
 
 
-__all__ = ["GRANULARITIES", "TIER", "Policy", "get_policy", "policy_names"]
+def with_model(policy: Policy, params: dict) -> Policy:
+    """``policy`` bound to the model ``params`` it reads (``critical:`` reads W_o); any other
+    policy unchanged. The bound policy equals the unbound one (same jit cache); only its
+    ``init`` differs."""
+    if not policy.name.startswith(CRITICAL_PREFIX):
+        return policy
+    init = functools.partial(policy.init, wo_LNHD=params["layers"]["wo"])
+    return dataclasses.replace(policy, init=init)
+
+
+def needs_future(policy: Policy) -> bool:
+    """True for the oracle, whose state only a teacher-forced run can compute."""
+    return policy.name == oracle.NAME
+
+
+__all__ = [
+    "CRITICAL_PREFIX",
+    "GRANULARITIES",
+    "TIER",
+    "Policy",
+    "get_policy",
+    "needs_future",
+    "policy_names",
+    "with_model",
+]

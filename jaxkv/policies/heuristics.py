@@ -19,13 +19,14 @@ def _protect_recent(scores_LBKC, cache: KVCache, n_recent_B: jax.Array) -> jax.A
     stay); other slots keep their [0, 1) scores."""
     cutoff = cache.length - n_recent_B  # [B]
     recent = cache.pos >= cutoff[None, :, None, None]
-    recency = _unit(cache.pos.astype(jnp.float32), cache.pos)
+    recency = unit_scale(cache.pos.astype(jnp.float32), cache.pos)
     return jnp.where(recent, TIER + recency, scores_LBKC)
 
 
-def _unit(x_LBKC: jax.Array, pos_LBKC: jax.Array) -> jax.Array:
-    """Non-negative scores scaled into [0, 1) per row, so that a protection tier added on
-    top never swamps them in float32 (1e9 + votes would erase the votes)."""
+def unit_scale(x_LBKC: jax.Array, pos_LBKC: jax.Array) -> jax.Array:
+    """Non-negative scores scaled into [0, 1) per row (ranking unchanged), so that a
+    protection tier (``TIER``) added on top never swamps them in float32 (1e9 + votes would
+    erase the votes)."""
     top = jnp.max(jnp.where(pos_LBKC >= 0, x_LBKC, 0.0), axis=-1, keepdims=True)
     return x_LBKC / (1.0000001 * top + 1e-30)
 
@@ -49,7 +50,7 @@ def streaming_llm(sinks: int = 4) -> Policy:
     the most recent tokens; the recent window is whatever budget the sinks leave."""
 
     def score(state, cache, **_):
-        recency = _unit(cache.pos.astype(jnp.float32), cache.pos)
+        recency = unit_scale(cache.pos.astype(jnp.float32), cache.pos)
         return jnp.where((cache.pos >= 0) & (cache.pos < sinks), TIER, 0.0) + recency
 
     return Policy("streaming_llm", score=score, spec=(("sinks", sinks),))
@@ -65,7 +66,7 @@ def h2o(recent_fraction: float = 0.5) -> Policy:
 
     def score(state, cache, *, budget_B, **_):
         n_recent = jnp.floor(recent_fraction * budget_B).astype(jnp.int32)
-        return _protect_recent(_unit(cache.stats["attn_cum"], cache.pos), cache, n_recent)
+        return _protect_recent(unit_scale(cache.stats["attn_cum"], cache.pos), cache, n_recent)
 
     return Policy(
         "h2o", score=score, stats=("attn_cum",), spec=(("recent_fraction", recent_fraction),)
@@ -86,7 +87,7 @@ def snapkv(window: int = 64, kernel: int = 5) -> Policy:
         raise ValueError(f"snapkv needs window >= 1 and an odd kernel >= 1, got {window}, {kernel}")
 
     def score(state, cache, *, budget_B, **_):
-        votes = _unit(_pool_by_position(cache.stats["recent"], cache.pos, kernel), cache.pos)
+        votes = unit_scale(_pool_by_position(cache.stats["recent"], cache.pos, kernel), cache.pos)
         return _protect_recent(votes, cache, jnp.minimum(window, budget_B // 2))
 
     return Policy(

@@ -1,0 +1,114 @@
+"""``adaptive`` granularity (AdaKV): a layer's K * B tokens pooled over its KV heads."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxkv import eviction, kvcache
+from jaxkv.config import ModelConfig
+from jaxkv.eviction import Compression
+from jaxkv.generate import teacher_forced
+from jaxkv.model import decoder
+from jaxkv.model.params import init_params
+from jaxkv.policies import Policy
+
+CFG = ModelConfig.tiny()
+PARAMS = init_params(CFG, key=jax.random.key(0), scale=0.2)
+TOKENS = jax.random.randint(jax.random.key(1), (2, 40), 0, CFG.vocab_size)
+
+
+def _reference_allocation(scores_KC, valid_KC, budget, floor, cap):
+    """AdaKV's allocation written out: the safeguard first, then the pool by score."""
+    K = scores_KC.shape[0]
+    ranked = [sorted(scores_KC[k][valid_KC[k]], reverse=True) for k in range(K)]
+    counts = [min(floor, len(r)) for r in ranked]
+    pool = [(s, k) for k in range(K) for s in ranked[k][counts[k] : min(cap, len(ranked[k]))]]
+    pool.sort(key=lambda t: -t[0])
+    for _, k in pool[: max(K * budget - sum(counts), 0)]:
+        counts[k] += 1
+    return counts
+
+
+def test_allocation_equals_the_written_out_reference():
+    rng = np.random.default_rng(0)
+    L, B, K, C = 3, 2, 4, 16
+    scores = rng.normal(size=(L, B, K, C)).astype(np.float32) * rng.uniform(0.1, 3, (L, B, K, 1))
+    pos = np.where(rng.uniform(size=(L, B, K, C)) < 0.2, -1, 1).astype(np.int32)
+    budget = np.array([5, 3], np.int32)
+    floor, cap = np.array([1, 0], np.int32), np.array([10, 6], np.int32)
+    got = np.asarray(
+        eviction.adaptive_budgets(
+            jnp.asarray(scores),
+            jnp.asarray(pos),
+            jnp.asarray(budget),
+            floor_B=jnp.asarray(floor),
+            cap_B=jnp.asarray(cap),
+        )
+    )
+    for l in range(L):
+        for b in range(B):
+            want = _reference_allocation(scores[l, b], pos[l, b] >= 0, budget[b], floor[b], cap[b])
+            assert list(got[l, b]) == want, (l, b)
+            assert got[l, b].sum() == min(K * budget[b], (pos[l, b] >= 0).sum())
+    assert len(set(map(tuple, got.reshape(-1, K)))) > 1  # the heads' shares differ
+
+
+def test_each_layer_keeps_k_times_b_tokens_split_by_the_pooled_scores():
+    cache = kvcache.init_cache(CFG, batch_size=2, capacity=24, stats=("attn",))
+    _, cache = decoder.prefill(PARAMS, TOKENS[:, :24], cache, config=CFG)
+    comp = Compression.make("tova", budget=6, granularity="adaptive")
+    out = eviction.evict(cache, comp, None, key=jax.random.key(0))
+    counts = np.asarray(jnp.sum(out.pos >= 0, axis=-1))  # [L, B, K]
+    K = CFG.n_kv_heads
+    np.testing.assert_array_equal(counts.sum(axis=-1), K * 6)
+    assert counts.min() >= 1 and counts.max() <= 12  # floor(0.2 * 6), floor(2 * 6)
+    assert (counts != 6).any()  # the heads got different shares
+    attn = np.asarray(cache.stats["attn"])
+    for l in range(CFG.n_layers):
+        for b in range(2):
+            want = _reference_allocation(attn[l, b], np.ones((K, 24), bool), 6, 1, 12)
+            assert list(counts[l, b]) == want
+            for k in range(K):  # each head keeps its own best
+                kept = set(np.flatnonzero(np.asarray(out.pos[l, b, k]) >= 0))
+                assert kept == set(np.argsort(-attn[l, b, k])[: counts[l, b, k]])
+
+
+def _by_position():
+    """Scores that depend on the position only: equal across heads holding the same tokens."""
+    return Policy("by_position", score=lambda state, cache, **_: jnp.sin(1.7 * cache.pos))
+
+
+def test_head_and_adaptive_agree_when_scores_are_equal_across_heads():
+    runs = {}
+    for granularity in ("head", "adaptive"):
+        comp = Compression(_by_position(), ratio=0.25, min_budget=4, granularity=granularity)
+        runs[granularity] = teacher_forced(
+            PARAMS, TOKENS, prompt_len=20, config=CFG, compression=comp
+        )
+    (head_logits, head), (ada_logits, ada) = runs["head"], runs["adaptive"]
+    assert ada.capacity == 2 * 10 + 1 and head.capacity == 10 + 1  # B_max = floor(0.25 * 40)
+    sets = lambda c: [  # noqa: E731
+        sorted(int(p) for p in c.pos[l, b, k] if p >= 0)
+        for l in range(CFG.n_layers)
+        for b in range(2)
+        for k in range(CFG.n_kv_heads)
+    ]
+    assert sets(head) == sets(ada)
+    np.testing.assert_allclose(np.asarray(ada_logits), np.asarray(head_logits), atol=1e-5, rtol=0)
+
+
+def test_capacity_layout_and_settings():
+    comp = Compression.make("h2o", ratio=0.25, granularity="adaptive")
+    assert comp.capacity(4096 + 64) == 2 * 1040 + 1  # floor(head_cap * B_max) + evict_every
+    prefill = Compression.make("h2o", ratio=0.25, granularity="adaptive", protocol="prefill")
+    assert prefill.capacity(1024 + 64, prompt_len=1024) == 2 * 256 + 64
+    assert Compression.make("h2o", ratio=0.5, granularity="adaptive").capacity(100) == 100
+    with pytest.raises(ValueError, match="head_cap must be >= 1"):
+        Compression.make("h2o", ratio=0.5, granularity="adaptive", head_cap=0.5)
+    with pytest.raises(ValueError, match="head_floor must be in"):
+        Compression.make("h2o", ratio=0.5, granularity="adaptive", head_floor=1.5)
+    with pytest.raises(ValueError, match="does not support granularity 'adaptive'"):
+        Compression(
+            Policy("tok", score=None, granularities=("shared",)), ratio=0.5, granularity="adaptive"
+        )

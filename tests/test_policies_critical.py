@@ -1,0 +1,109 @@
+"""``critical:<policy>``: CriticalKV's two-stage selection, against a numpy reference."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxkv import eviction, kvcache
+from jaxkv.config import ModelConfig
+from jaxkv.eviction import Compression
+from jaxkv.generate import generate_tokens
+from jaxkv.model import decoder
+from jaxkv.model.params import init_params
+from jaxkv.policies import critical, get_policy, with_model
+
+CFG = ModelConfig.tiny()
+PARAMS = init_params(CFG, key=jax.random.key(0), scale=0.2)
+N = 24  # prompt tokens
+# distinct ids: a repeated token has the same value and key norm, an exact tie of scores
+TOKENS = jnp.stack([jax.random.permutation(jax.random.key(s), CFG.vocab_size)[:N] for s in (1, 2)])
+BUDGET = 8
+
+
+@pytest.fixture(scope="module")
+def cache():
+    cache = kvcache.init_cache(CFG, batch_size=2, capacity=N, stats=("attn",))
+    return decoder.prefill(PARAMS, TOKENS[:, :N], cache, config=CFG)[1]
+
+
+def _reference_norms(v_LBKCH, wo_LNHD):
+    """||v W_o^(n)||_1 per slot, mean over the KV group's query heads, with loops."""
+    L, B, K, C, _ = v_LBKCH.shape
+    G = CFG.q_per_kv
+    out = np.zeros((L, B, K, C))
+    for l in range(L):
+        for b in range(B):
+            for k in range(K):
+                for c in range(C):
+                    norms = [
+                        np.abs(v_LBKCH[l, b, k, c] @ wo_LNHD[l, k * G + g]).sum() for g in range(G)
+                    ]
+                    out[l, b, k, c] = np.mean(norms)
+    return out
+
+
+def _reference_kept(base_C, norm_C, budget, eps=1e-4, ratio=0.5):
+    """Stage 1: the floor(ratio * B) best base scores; stage 2: the rest of the budget by
+    (base + eps) * norm, with base shifted to be non-negative."""
+    base = base_C - min(base_C.min(), 0.0)
+    first = list(np.argsort(-base, kind="stable")[: int(ratio * budget)])
+    rest = [c for c in np.argsort(-(base + eps) * norm_C, kind="stable") if c not in first]
+    return set(first) | set(rest[: budget - len(first)])
+
+
+def test_projected_norms_equal_the_loop_reference(cache):
+    v = np.asarray(cache.v, np.float64)
+    wo = np.asarray(PARAMS["layers"]["wo"], np.float64)
+    got = critical.projected_norms(cache.v, PARAMS["layers"]["wo"])
+    np.testing.assert_allclose(np.asarray(got), _reference_norms(v, wo), rtol=1e-5)
+
+
+@pytest.mark.parametrize("inner", ["tova", "knorm"])  # attention mass; negative scores
+def test_two_stage_selection_equals_the_numpy_reference(inner, cache):
+    comp = Compression.make("critical:" + inner, budget=BUDGET, granularity="head")
+    state = with_model(comp.policy, PARAMS).init()
+    out = eviction.evict(cache, comp, state, key=jax.random.key(0))
+    if inner == "tova":
+        base = np.asarray(cache.stats["attn"], np.float64)
+    else:
+        base = -np.linalg.norm(np.asarray(cache.k, np.float64), axis=-1)
+    norms = _reference_norms(np.asarray(cache.v, np.float64), np.asarray(PARAMS["layers"]["wo"]))
+    plain = eviction.evict(
+        cache, Compression.make(inner, budget=BUDGET, granularity="head"), None, key=None
+    )
+    differs = False
+    for l in range(CFG.n_layers):
+        for b in range(2):
+            for k in range(CFG.n_kv_heads):
+                kept = set(np.flatnonzero(np.asarray(out.pos[l, b, k]) >= 0))
+                assert kept == _reference_kept(base[l, b, k], norms[l, b, k], BUDGET), (l, b, k)
+                differs |= kept != set(np.flatnonzero(np.asarray(plain.pos[l, b, k]) >= 0))
+    assert differs  # the projected norms changed the choice somewhere
+
+
+def test_critical_needs_the_model_and_wraps_only_scorers():
+    policy = get_policy("critical:h2o", first_stage_ratio=0.25)
+    with pytest.raises(ValueError, match="critical:h2o reads the model's output projection"):
+        policy.init()
+    bound = with_model(policy, PARAMS)
+    assert bound == policy and dict(bound.spec)["first_stage_ratio"] == 0.25
+    inner_state, wo = bound.init()
+    assert inner_state is None and wo.shape == PARAMS["layers"]["wo"].shape
+    assert with_model(get_policy("h2o"), PARAMS) == get_policy("h2o")
+    assert policy.stats == ("attn_cum",) and policy.granularities == get_policy("h2o").granularities
+    for bad in ("critical:oracle", "critical:full", "critical:critical:h2o"):
+        with pytest.raises(ValueError, match="critical"):
+            get_policy(bad)
+
+
+def test_generation_binds_the_model_itself():
+    prompts = [list(range(1, 50)), list(range(5, 20))]
+    comp = Compression.make("critical:snapkv", ratio=0.25, min_budget=4)
+    out = generate_tokens(PARAMS, prompts, config=CFG, max_new_tokens=4, compression=comp)
+    assert [len(o) for o in out] == [4, 4]
+    one = dataclasses.replace(comp, ratio=1.0)
+    full = generate_tokens(PARAMS, prompts, config=CFG, max_new_tokens=4)
+    assert generate_tokens(PARAMS, prompts, config=CFG, max_new_tokens=4, compression=one) == full
