@@ -1,0 +1,534 @@
+"""jaxkv's block policies as vLLM KV-offload cache policies (vLLM's ``CachePolicy`` ABC).
+
+vLLM's CPU offload tier (``vllm.v1.kv_offload.cpu.manager.CPUOffloadingManager``) keeps KV
+chunks in a host pool and asks a pluggable ``CachePolicy`` which chunks to evict. The classes
+here are such policies; vLLM loads them by name and module path, with no change to vLLM::
+
+    kv_transfer_config = {
+        "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "cpu_bytes_to_use": 8 << 30,
+            "eviction_policy": "KVLearnCachePolicy",     # or JaxkvLRU, JaxkvARC
+            "cache_policy_module_path": "jaxkv.kvlearn.integrations.vllm_policy",
+        },
+    }
+
+    JaxkvLRU            jaxkv's block ``lru`` (``serving.policies.lru.LRUPool``): every use gets
+                        the policy's next priority, the lowest is evicted.
+    JaxkvARC            jaxkv's block ``arc`` (``serving.policies.arc.ARC``): its ``on_access``,
+                        ``victim``, ``on_evict`` and ``on_insert`` decide; the adapter only
+                        steps over chunks vLLM may not evict (pinned or protected).
+    KVLearnCachePolicy  KVLearn at block level (``serving.policies.kvlearn.BlockKVLearn``, the
+                        very object the serving simulator runs): the core's PRP MLP on 16 block
+                        features, GreedyDual CARS retention (L + P̂·s_j), the write-cost
+                        admission rule (as eviction order, see the class).
+
+What vLLM asks of a policy (its ``CachePolicy`` docstrings) and how these keep it: ``touch``
+receives keys head to tail and the head ends most recent (vLLM's ``lru`` and ``arc`` both walk
+``reversed(keys)``); ``evict(n, protected)`` evicts exactly n chunks whose ``ref_cnt`` is 0 and
+that are not in ``protected``, or returns None and changes nothing; ``clear`` resets every chunk
+and all adaptive state; ``mark_evictable`` / ``mark_non_evictable`` follow ``ref_cnt``.
+
+Host-side fast path: the per-call work is dictionary and heap operations in Python on the
+scheduler's thread (no device round trip); KVLearn's PRP forward pass runs in numpy once per
+request (``predictors.HostPRP``), and only its training rounds (one jitted optax call per 100
+labels) touch JAX.
+
+vLLM is imported when this module is imported (its ``CachePolicy`` is the base class here).
+Nothing in jaxkv imports this module (``tests/test_vllm_policy.py`` checks that no jaxkv module
+outside ``jaxkv/kvlearn/integrations/`` names vLLM), so jaxkv never needs vLLM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+import os
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+from vllm.v1.kv_offload.base import OffloadKey, ReqContext
+from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus, order_request_keys
+
+from jaxkv.kvlearn.cost import CostModel
+from jaxkv.kvlearn.serving.policies.arc import ARC
+from jaxkv.kvlearn.serving.policies.base import BlockPolicy
+from jaxkv.kvlearn.serving.policies.kvlearn import BlockKVLearn, BlockKVLearnState
+from jaxkv.kvlearn.serving.policies.lru import LRUPool
+from jaxkv.kvlearn.traces import BLOCK_TOKENS, MooncakeTrace
+
+_Entry = tuple  # (priority tuple, stamp, key): one heap entry; ``stamp`` makes it unique
+_NO_BLOCKS = np.zeros(0, np.int64)
+
+
+def shape_trace(*, n_blocks: int, max_depth: int, block_tokens: int) -> MooncakeTrace:
+    """A one-request placeholder ``MooncakeTrace`` that only carries the shapes a block policy
+    is built for (``n_blocks`` block ids, requests of up to ``max_depth`` blocks); vLLM gives a
+    policy no trace, and ``BlockPolicy`` constructors read only these from it."""
+    return MooncakeTrace(
+        time_s=np.zeros(1),
+        input_len=np.array([max_depth * block_tokens], np.int64),
+        output_len=np.zeros(1, np.int64),
+        blocks=(np.arange(max_depth, dtype=np.int64),),
+        n_blocks=n_blocks,
+        block_tokens=block_tokens,
+    )
+
+
+class _HeapCachePolicy(CachePolicy):
+    """A vLLM ``CachePolicy`` over priorities: evict the lowest priority among the evictable,
+    unprotected chunks (a lazy min-heap, stale entries skipped). Subclasses say what priority a
+    chunk gets when it is inserted (``_insert_prio``) and when a request uses it (``_use``,
+    with ``_set``).
+
+    Attributes: ``chunks`` (key → ``ChunkStatus``), ``evictions`` (chunks evicted so far) and
+    ``capacity`` (vLLM's ``cache_capacity``; the two are what a jaxkv policy reads of its pool).
+    """
+
+    def __init__(self, cache_capacity: int):
+        super().__init__(cache_capacity)
+        self.chunks: dict[OffloadKey, ChunkStatus] = {}
+        self.evictions = 0
+        self._entry: dict[OffloadKey, _Entry] = {}
+        self._evictable: set[OffloadKey] = set()
+        self._heap: list[_Entry] = []
+        self._stamp = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.cache_capacity
+
+    # ---- what subclasses decide -------------------------------------------------------------
+    def _insert_prio(self, key: OffloadKey) -> tuple:
+        raise NotImplementedError
+
+    def _use(self, keys: Sequence[OffloadKey], req_context: ReqContext) -> None:
+        """Re-prioritises the resident ``keys`` (head to tail) one request used; the head ends
+        most recent, as in vLLM's lru and arc."""
+        raise NotImplementedError
+
+    def _on_evict(self, key: OffloadKey, prio: tuple) -> None:
+        """Called after ``key`` (of priority ``prio``) is evicted, in eviction order."""
+
+    def _reset(self) -> None:
+        """Resets the subclass's own state (``clear``)."""
+
+    # ---- the heap ---------------------------------------------------------------------------
+    def _set(self, key: OffloadKey, prio: tuple) -> None:
+        self._stamp += 1
+        entry = (prio, self._stamp, key)
+        self._entry[key] = entry
+        if key in self._evictable:
+            heapq.heappush(self._heap, entry)
+            self._maybe_compact()
+
+    def _maybe_compact(self) -> None:
+        if len(self._heap) > max(64, 2 * len(self._evictable)):
+            self._heap = [self._entry[k] for k in self._evictable]
+            heapq.heapify(self._heap)
+
+    def priority(self, key: OffloadKey) -> tuple | None:
+        """The priority ``key`` holds now (lower is evicted first; None if not resident)."""
+        entry = self._entry.get(key)
+        return None if entry is None else entry[0]
+
+    # ---- vLLM's CachePolicy -----------------------------------------------------------------
+    def get(self, key: OffloadKey) -> ChunkStatus | None:
+        return self.chunks.get(key)
+
+    def insert(self, key: OffloadKey, chunk: ChunkStatus) -> None:
+        self.chunks[key] = chunk
+        if chunk.ref_cnt == 0:
+            self._evictable.add(key)
+        self._set(key, self._insert_prio(key))
+
+    def remove(self, key: OffloadKey) -> None:
+        del self.chunks[key]
+        self._entry.pop(key, None)
+        self._evictable.discard(key)
+
+    def touch(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
+        self._use(list(keys), req_context)
+
+    def on_request_finished(
+        self,
+        key_groups: Sequence[Sequence[OffloadKey]],
+        insertion_only_keys: set[OffloadKey],
+        reused_keys: set[OffloadKey],
+        req_context: ReqContext,
+    ) -> None:
+        # Every key the request stored or reused is one use, in one head-to-tail order (vLLM's
+        # lru does the same; its base class would touch group by group).
+        self._use(order_request_keys(key_groups, req_context), req_context)
+
+    def evict(
+        self, n: int, protected: set[OffloadKey]
+    ) -> list[tuple[OffloadKey, ChunkStatus]] | None:
+        if n == 0:
+            return []
+        chosen: list[_Entry] = []
+        deferred: list[_Entry] = []
+        seen: set[OffloadKey] = set()
+        while self._heap and len(chosen) < n:
+            entry = heapq.heappop(self._heap)
+            key = entry[2]
+            if key in seen or key not in self._evictable or self._entry.get(key) is not entry:
+                continue  # stale, or a duplicate left by a re-pin without a new priority
+            seen.add(key)
+            (deferred if key in protected else chosen).append(entry)
+        for entry in deferred if len(chosen) == n else deferred + chosen:
+            heapq.heappush(self._heap, entry)
+        if len(chosen) < n:
+            return None  # atomic: every popped live entry is back, nothing else changed
+        out = []
+        for prio, _, key in chosen:
+            self._evictable.remove(key)
+            del self._entry[key]
+            out.append((key, self.chunks.pop(key)))
+            self.evictions += 1
+            self._on_evict(key, prio)
+        return out
+
+    def clear(self) -> None:
+        self.chunks.clear()
+        self._entry.clear()
+        self._evictable.clear()
+        self._heap.clear()
+        self._stamp = 0
+        self.evictions = 0
+        self._reset()
+
+    def mark_evictable(self, key: OffloadKey) -> None:
+        self._evictable.add(key)
+        entry = self._entry.get(key)
+        if entry is not None:
+            heapq.heappush(self._heap, entry)
+            self._maybe_compact()
+
+    def mark_non_evictable(self, key: OffloadKey) -> None:
+        self._evictable.discard(key)
+
+
+class _BlockPolicyCache(_HeapCachePolicy):
+    """A heap policy whose priorities come from a jaxkv ``BlockPolicy`` (``prio(b, i, j, now)``):
+    keys get dense block ids in first-seen order, ``i`` counts finished requests and ``j`` is
+    the key's depth (its end-token position from the request context, else its index)."""
+
+    block_tokens: int = BLOCK_TOKENS
+    """Tokens per offloaded chunk: converts vLLM's key positions into depths."""
+
+    def __init__(self, cache_capacity: int):
+        super().__init__(cache_capacity)
+        self.ids: dict[OffloadKey, int] = {}
+        self.n_req = 0
+        self._depth: dict[OffloadKey, int] = {}  # of keys seen in a store miss, until used
+        self.block_policy: BlockPolicy = self._make_block_policy()
+
+    def _make_block_policy(self) -> BlockPolicy:
+        raise NotImplementedError
+
+    def _reset(self) -> None:
+        self.ids.clear()
+        self._depth.clear()
+        self.n_req = 0
+        self.block_policy = self._make_block_policy()
+
+    def _id(self, key: OffloadKey) -> int:
+        b = self.ids.get(key)
+        if b is None:
+            b = self.ids[key] = len(self.ids)
+        return b
+
+    def _depths(self, keys: Sequence[OffloadKey], req_context: ReqContext) -> list[int]:
+        out = []
+        for idx, key in enumerate(keys):
+            end = req_context.get_offload_key_position(key)
+            out.append(idx if end is None else max(math.ceil(end / self.block_tokens) - 1, 0))
+        return out
+
+    def on_store_miss(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
+        keys = list(keys)
+        self._depth.update(zip(keys, self._depths(keys, req_context), strict=True))
+
+    def _insert_prio(self, key: OffloadKey) -> tuple:
+        j = self._depth.get(key, 0)
+        return tuple(self.block_policy.prio(self._id(key), self.n_req, j, 0.0))
+
+    def _use(self, keys: Sequence[OffloadKey], req_context: ReqContext) -> None:
+        depths = self._depths(keys, req_context)
+        for key, j in zip(reversed(keys), reversed(depths), strict=True):
+            if key in self.chunks:
+                self._set(key, tuple(self.block_policy.prio(self._id(key), self.n_req, j, 0.0)))
+
+    def on_request_finished(self, key_groups, insertion_only_keys, reused_keys, req_context):
+        super().on_request_finished(key_groups, insertion_only_keys, reused_keys, req_context)
+        self._finish(key_groups)
+
+    def _finish(self, key_groups) -> None:
+        for keys in key_groups:
+            for key in keys:
+                self._depth.pop(key, None)
+        self.n_req += 1
+
+    def _on_evict(self, key: OffloadKey, prio: tuple) -> None:
+        self.block_policy.on_evict(self.ids[key])
+
+
+class JaxkvLRU(_BlockPolicyCache):
+    """jaxkv's block ``lru`` (``LRUPool``, blocks as independent keys) as a vLLM policy: each
+    insert and each use takes the policy's next clock value; the oldest is evicted."""
+
+    def _make_block_policy(self) -> BlockPolicy:
+        shape = shape_trace(n_blocks=0, max_depth=1, block_tokens=self.block_tokens)
+        return LRUPool(shape, CostModel.llama3_8b_a100(), pool_blocks=self.cache_capacity)
+
+
+class KVLearnCachePolicy(_BlockPolicyCache):
+    """KVLearn at block level (``BlockKVLearn``, the serving simulator's ``kvlearn`` object) as
+    a vLLM policy.
+
+    What it keeps of KVLearn's decisions: per finished request, ``BlockKVLearn.on_access``
+    with the request's keys head to tail and its hit count (the leading keys it reused) —
+    label windows, the adaptive horizon, features, the PRP's training and P̂; then the
+    GreedyDual CARS priority L + P̂·s_j of every resident key of the request (``prio``), the
+    write-cost admission of the keys the request stored (``gate``), and L raised to each
+    victim's priority (``on_evict``).
+
+    What differs from the simulator: (1) vLLM's manager writes every offered chunk (a policy
+    cannot refuse an ``insert``), so a chunk KVLearn would not admit is kept in a lower tier
+    that is evicted before every admitted chunk (the bytes are moved all the same); (2) vLLM's
+    pool has no prefix tree, so a key's priority is raised to the largest of the keys behind it
+    in its request (``_price``: the simulator evicts only leaves); (3) the per-request step runs
+    when the request finishes, after its stores, where the simulator runs it at lookup; until
+    then a stored chunk holds L + s_j (P̂ = 1, KVLearn's untrained rule); (4) a key's depth
+    comes from vLLM's key positions (``block_tokens`` per chunk).
+
+    Configuration (vLLM builds a policy from ``cache_capacity`` alone): the class attributes
+    ``cost_preset``, ``block_tokens``, ``max_depth``, ``hparams`` (``BlockKVLearnConfig``
+    fields), or the environment variables ``JAXKV_KVLEARN_COST`` and
+    ``JAXKV_KVLEARN_BLOCK_TOKENS``; a subclass in the user's module changes the rest.
+    """
+
+    cost_preset: str = "llama3-8b-a100"
+    max_depth: int = 1 << 14
+    """Deepest block priced (``s_j``); deeper keys are priced as this depth, and a request
+    longer than this many blocks is seen by the PRP as its first ``max_depth`` blocks."""
+    hparams: dict = {}
+    initial_ids: int = 1 << 12
+    """Block ids the state is first sized for; it doubles when they run out."""
+
+    def __init__(self, cache_capacity: int):
+        self.block_tokens = int(os.environ.get("JAXKV_KVLEARN_BLOCK_TOKENS", self.block_tokens))
+        self.cost = CostModel.preset(os.environ.get("JAXKV_KVLEARN_COST", self.cost_preset))
+        super().__init__(cache_capacity)
+
+    def _make_block_policy(self) -> BlockKVLearn:
+        shape = shape_trace(
+            n_blocks=self.initial_ids, max_depth=self.max_depth, block_tokens=self.block_tokens
+        )
+        pol = BlockKVLearn(shape, self.cost, pool_blocks=self.cache_capacity, **self.hparams)
+        pol.attach(self)  # reads ``capacity`` and ``evictions``, as of its PrefixCache
+        return pol
+
+    def _id(self, key: OffloadKey) -> int:
+        b = super()._id(key)
+        st = self.block_policy.state
+        if b >= len(st.count_P):
+            _grow(st, 2 * len(st.count_P))
+        return b
+
+    def _insert_prio(self, key: OffloadKey) -> tuple:
+        j = min(self._depth.get(key, 0), self.max_depth)
+        b = self._id(key)  # first: it may grow the state's arrays
+        st = self.block_policy.state
+        v = st.prio_P[b] = st.inflation + float(self.block_policy.costs.save_ms[j])
+        return (1, v)
+
+    def _use(self, keys, req_context) -> None:
+        """A bare ``touch`` (vLLM 0.32's connector sends none; requests end in
+        ``on_request_finished``): the keys are re-priced with their current P̂, as hits."""
+        pol = self.block_policy
+        ids = np.fromiter((self._id(k) for k in keys), np.int64, len(keys))
+        depths = (min(j, self.max_depth) for j in self._depths(keys, req_context))
+        prios = [
+            (1, *pol.prio(b, self.n_req, j, 0.0)) for b, j in zip(ids.tolist(), depths, strict=True)
+        ]
+        self._price(keys, ids, prios)
+
+    def _on_evict(self, key: OffloadKey, prio: tuple) -> None:
+        if prio[0]:  # a chunk KVLearn did not admit leaves no trace (L, turnover), as there
+            self.block_policy.on_evict(self.ids[key])
+
+    def on_request_finished(self, key_groups, insertion_only_keys, reused_keys, req_context):
+        keys = order_request_keys(key_groups, req_context)[: self.max_depth]
+        if keys:
+            self._access(keys, insertion_only_keys, reused_keys, req_context)
+        self._finish(key_groups)
+
+    def _access(self, keys, inserted, reused, req_context) -> None:
+        pol, i = self.block_policy, self.n_req
+        ids = np.fromiter((self._id(k) for k in keys), np.int64, len(keys))
+        hit = next((n for n, k in enumerate(keys) if k not in reused), len(keys))
+        pol.on_access(ids, hit, i, 0.0)
+        prios = []
+        for key, b, j in zip(keys, ids.tolist(), self._depths(keys, req_context), strict=True):
+            j = min(j, self.max_depth)
+            if key in inserted:
+                admit, pr = pol.gate(b, i, j, 0.0)
+                prios.append((int(admit), *pr))
+            else:
+                prios.append((1, *pol.prio(b, i, j, 0.0)))
+        self._price(keys, ids, prios)
+
+    def _price(self, keys, ids, prios) -> None:
+        """Sets the resident keys' priorities, each raised to the largest of the keys behind it
+        (tail to head). The simulator's KVLearn evicts only leaves of the prefix tree; vLLM's
+        pool has no tree, so a block must not go before the deeper blocks that need it (its
+        GreedyDual value P̂·s_j grows with depth, and would strand them)."""
+        st, run = self.block_policy.state, None
+        for key, b, prio in zip(reversed(keys), ids[::-1].tolist(), reversed(prios), strict=True):
+            run = prio if run is None or prio > run else run
+            if key in self.chunks:
+                st.prio_P[b] = run[1]  # what L rises to if it is evicted
+                self._set(key, run)
+
+
+class JaxkvARC(CachePolicy):
+    """jaxkv's block ``arc`` (``ARC``, the serving simulator's object) as a vLLM policy.
+
+    vLLM's calls map onto ``ARC``'s hooks as the serving simulator makes them: ``insert`` →
+    ``on_insert`` (into T1, out of the ghosts when the store batch closes: at the next access
+    or eviction); ``on_store_miss`` (the request's new keys,
+    before they are inserted) → ``on_access`` of those keys (they are not resident, so only a
+    ghost hit adapts p, as the simulator's lookup does for missed blocks);
+    ``on_request_finished`` / ``touch`` → ``on_access`` of the keys the request reused (T1 →
+    T2, T2 → MRU); ``evict`` → ``victim`` then ``on_evict`` per chunk. Where ``victim`` names a
+    chunk vLLM may not evict (ref_cnt ≠ 0 or protected), the adapter takes the next evictable
+    chunk of the list ``ARC``'s rule picks (T1 if |T1| ≥ p, else T2; then the other list), as
+    vLLM's ``arc`` does. ``evict`` first checks that n evictable, unprotected chunks exist, so a
+    refusal changes nothing.
+    """
+
+    block_tokens: int = BLOCK_TOKENS
+
+    def __init__(self, cache_capacity: int):
+        super().__init__(cache_capacity)
+        self.chunks: dict[OffloadKey, ChunkStatus] = {}
+        self.ids: dict[OffloadKey, int] = {}
+        self.keys: list[OffloadKey] = []
+        self.n_req = 0
+        self.evictions = 0
+        self._evictable: set[OffloadKey] = set()
+        self.arc = self._make_arc()
+
+    def _make_arc(self) -> ARC:
+        shape = shape_trace(n_blocks=0, max_depth=1, block_tokens=self.block_tokens)
+        return ARC(shape, CostModel.llama3_8b_a100(), pool_blocks=self.cache_capacity)
+
+    def _id(self, key: OffloadKey) -> int:
+        b = self.ids.get(key)
+        if b is None:
+            b = self.ids[key] = len(self.keys)
+            self.keys.append(key)
+        return b
+
+    def _access(self, keys: Sequence[OffloadKey]) -> None:
+        if keys:
+            ids = np.fromiter((self._id(k) for k in keys), np.int64, len(keys))
+            self.arc.on_access(ids, len(keys), self.n_req, 0.0)
+
+    def get(self, key: OffloadKey) -> ChunkStatus | None:
+        return self.chunks.get(key)
+
+    def insert(self, key: OffloadKey, chunk: ChunkStatus) -> None:
+        self.chunks[key] = chunk
+        if chunk.ref_cnt == 0:
+            self._evictable.add(key)
+        self.arc.on_insert(self._id(key))
+
+    def remove(self, key: OffloadKey) -> None:
+        del self.chunks[key]
+        self._evictable.discard(key)
+        b = self.ids[key]
+        self.arc.t1.pop(b, None)  # a failed store: ``ARC`` has no hook, its lists are public
+        self.arc.t2.pop(b, None)
+
+    def on_store_miss(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
+        self._access(list(keys))
+
+    def touch(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
+        self._access(list(keys))
+
+    def on_request_finished(self, key_groups, insertion_only_keys, reused_keys, req_context):
+        keys = order_request_keys(key_groups, req_context)
+        # Only resident keys: the simulator touches hits at lookup, when they are resident, so a
+        # reused key evicted since (by another request's store) must not count as a ghost hit.
+        self._access([k for k in keys if k in reused_keys and k in self.chunks])
+        self.n_req += 1
+
+    def _usable(self, b: int | None, protected: set[OffloadKey]) -> bool:
+        return b is not None and self.keys[b] in self._evictable and self.keys[b] not in protected
+
+    def _fallback(self, named: int | None, protected: set[OffloadKey]) -> int:
+        """The oldest usable chunk of the list ``ARC``'s victim ``named`` came from, else of the
+        other list (``named`` None: ``ARC`` chose T2, which is empty)."""
+        arc = self.arc
+        first, second = (
+            (arc.t1, arc.t2) if named is not None and named in arc.t1 else (arc.t2, arc.t1)
+        )
+        for lst in (first, second):
+            b = next((b for b in lst if self._usable(b, protected)), None)
+            if b is not None:
+                return b
+        raise AssertionError("no evictable chunk although the count said there was one")
+
+    def evict(
+        self, n: int, protected: set[OffloadKey]
+    ) -> list[tuple[OffloadKey, ChunkStatus]] | None:
+        if n == 0:
+            return []
+        blocked = sum(1 for k in protected if k in self._evictable)
+        if len(self._evictable) - blocked < n:
+            return None
+        # vLLM evicts for a whole store before inserting any of it: close ``ARC``'s store
+        # batch (an empty access does only that), so T1 and the ghosts are counted in full.
+        self.arc.on_access(_NO_BLOCKS, 0, self.n_req, 0.0)
+        out = []
+        for _ in range(n):
+            b = self.arc.victim(None)
+            if not self._usable(b, protected):
+                b = self._fallback(b, protected)
+            self.arc.on_evict(b)
+            key = self.keys[b]
+            self._evictable.remove(key)
+            out.append((key, self.chunks.pop(key)))
+        self.evictions += n
+        return out
+
+    def clear(self) -> None:
+        self.chunks.clear()
+        self.ids.clear()
+        self.keys.clear()
+        self._evictable.clear()
+        self.n_req = 0
+        self.evictions = 0
+        self.arc = self._make_arc()
+
+    def mark_evictable(self, key: OffloadKey) -> None:
+        self._evictable.add(key)
+
+    def mark_non_evictable(self, key: OffloadKey) -> None:
+        self._evictable.discard(key)
+
+
+def _grow(st: BlockKVLearnState, n: int) -> None:
+    """Grows a ``BlockKVLearnState``'s [P] arrays to ``n`` block ids in place (new ids start
+    empty; the (parent, child) pairs are re-encoded for the new P)."""
+    p = len(st.count_P)
+    fresh = BlockKVLearnState.empty(n - p, horizon=st.horizon)
+    for f in dataclasses.fields(st):
+        v = getattr(st, f.name)
+        if isinstance(v, np.ndarray) and v.shape[:1] == (p,):
+            setattr(st, f.name, np.concatenate([v, getattr(fresh, f.name)]))
+    st.seen_child = {k // p * n + k % p for k in st.seen_child}
