@@ -277,6 +277,61 @@ def test_gsm8k_and_agreement_end_to_end(tmp_path):
         assert 0 <= r["rouge_l"] <= 1 and 0 <= r["exact_match"] <= 1 and r["length_ratio"] > 0
 
 
+def _completions_at(records, ratio):
+    """(policy, task, id) -> completion of the records at ``ratio`` (the full cache's at 1)."""
+    return {
+        (r["policy"], r["task"], r["id"]): r["completion"] for r in records if r["ratio"] == ratio
+    }
+
+
+def _assert_ratio_one_is_the_full_cache(records, policies):
+    at_one = _completions_at(records, 1.0)
+    full = {(t, i): c for (p, t, i), c in at_one.items() if p == "full"}
+    assert full
+    for policy in policies:
+        assert {(t, i): c for (p, t, i), c in at_one.items() if p == policy} == full
+
+
+def test_retrieval_under_prefill_and_ratio_one_is_the_full_cache(tmp_path):
+    args = ["retrieval", *TINY, "--policies", "full,h2o,snapkv", "--ratios", "1,0.25"]
+    args += ["--seeds", "0", "--limit", "2", "--lengths", "256", "--tasks", "passkey"]
+    assert _run([*args, "--protocol", "prefill"], tmp_path) == 0
+    doc = _load(tmp_path, "retrieval")
+    assert doc["config"]["protocol"] == "prefill" and "granularity" not in doc["config"]
+    assert {(r["policy"], r["ratio"]) for r in doc["results"]} == {
+        ("full", 1.0),
+        *((p, r) for p in ("h2o", "snapkv") for r in (1.0, 0.25)),
+    }
+    _assert_ratio_one_is_the_full_cache(doc["records"], ("h2o", "snapkv"))
+    assert _run(args, tmp_path / "decode") == 0  # the protocol reaches the compression
+    decode = _load(tmp_path / "decode", "retrieval")
+    assert "protocol" not in decode["config"]
+    assert _completions_at(decode["records"], 0.25) != _completions_at(doc["records"], 0.25)
+
+
+@pytest.mark.parametrize(
+    "selection",
+    [[], ["--protocol", "prefill"], ["--protocol", "prefill", "--granularity", "adaptive"]],
+)
+def test_agreement_ratio_one_is_the_full_cache_in_both_protocols(selection, tmp_path):
+    args = ["agreement", *TINY, "--policies", "h2o,tova", "--ratios", "1,0.25", "--seeds", "0"]
+    args += ["--task", "gsm8k", "--limit", "2", "--max-new-tokens", "12", *selection]
+    assert _run(args, tmp_path) == 0
+    doc = _load(tmp_path, "agreement")
+    given = dict(zip(selection[::2], selection[1::2], strict=True))
+    assert {k: doc["config"].get(k) for k in ("protocol", "granularity")} == {
+        "protocol": given.get("--protocol"),
+        "granularity": given.get("--granularity"),
+    }
+    _assert_ratio_one_is_the_full_cache(doc["records"], ("h2o", "tova"))
+    rows = {(r["policy"], r["ratio"]): r for r in doc["results"]}
+    for policy in ("h2o", "tova"):
+        assert rows[(policy, 1.0)]["exact_match"] == 1.0
+        assert rows[(policy, 1.0)]["rouge_l"] == 1.0
+    # at r = 0.25 the budget (B_min = 8) is below the prompts, so the policies do evict
+    assert any(rows[(p, 0.25)]["exact_match"] < 1.0 for p in ("h2o", "tova"))
+
+
 def test_bbh_end_to_end(tmp_path):
     args = ["bbh", *GEN, "--tasks", "sports_understanding", "--limit", "2"]
     assert _run([*args, "--max-new-tokens", "8"], tmp_path) == 0

@@ -25,10 +25,12 @@ weights with a byte tokenizer, for tests), ``--policies``, ``--ratios``, ``--see
 committed ``results/`` is only written when named. ``gsm8k``, ``bbh`` and ``longbench`` read
 the full public sets with ``--hub SOURCE``, ``fidelity`` reads WikiText with ``--wikitext
 SOURCE`` (a hub name, or a local file or folder in the hub's layout: ``jaxkv.evals.hub``; they
-need the ``hf`` extra). ``fidelity`` also takes ``--protocol {decode,prefill}`` (evict at every
-decode step, or compress the prompt once) and ``--granularity {shared,layer,head,adaptive}``
-(``jaxkv.eviction``); it alone can run the ``oracle`` bound, and ``critical:<policy>`` runs in
-``fidelity``, ``retrieval`` and ``agreement`` (it reads the loaded model's W_o).
+need the ``hf`` extra). ``fidelity``, ``retrieval`` and ``agreement`` also take ``--protocol
+{decode,prefill}`` (evict at every decode step, or compress the prompt once) and
+``--granularity {shared,layer,head,adaptive}`` (``jaxkv.eviction``; recorded in the result
+file's config when not the default); ``fidelity`` alone can run the ``oracle`` bound, and
+``critical:<policy>`` runs in ``fidelity``, ``retrieval`` and ``agreement`` (it reads the
+loaded model's W_o).
 
 Every argument is checked before anything loads or is written: numbers by their flag types
 (``jaxkv.cli.flags``), then the lists, policies (learned checkpoints included), input files and
@@ -273,6 +275,7 @@ def _retrieval_flags(parser: argparse.ArgumentParser) -> None:
         "--data-seed", type=flags.seed, default=0, help="seed of keys, depths and filler"
     )
     parser.set_defaults(batch=6)
+    _selection_flags(parser)
 
 
 def _retrieval(args: argparse.Namespace, job: runner.Job) -> report.ResultStore:
@@ -366,6 +369,7 @@ def _agreement_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-length", type=flags.positive_int, default=3500, help="LongBench prompt tokens"
     )
+    _selection_flags(parser)
 
 
 def _agreement(args: argparse.Namespace, job: runner.Job) -> report.ResultStore:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxkv.evals import benchmarks, metrics, report, runner, tasks
+from jaxkv.evals import benchmarks, fidelity, metrics, report, runner, tasks
 from jaxkv.evals.runner import Job
 
 NAME = "agreement"
@@ -173,18 +173,24 @@ def evaluate(
         max_length: LongBench prompt tokens kept at most (middle truncation).
 
     Raises:
-        ValueError, FileNotFoundError: only ``full`` in ``job.groups``, or as ``examples``,
-            before the model loads.
+        ValueError, FileNotFoundError: only ``full`` in ``job.groups``, a policy that does
+            not support ``job.granularity``, or as ``examples``, before the model loads.
     """
     if all(g.is_full for g in job.groups):
         raise ValueError(f"{NAME} needs at least one evicting policy (not only 'full')")
+    fidelity.check_selection(job)
     found = examples(task, data=data, limit=job.limit)
     model = runner.load_eval_model(job.model)
     store = report.ResultStore(
         job.out,
         NAME,
         model=model.name,
-        config={**job.config, "task": task, "max_new_tokens": max_new_tokens},
+        config={
+            **job.config,
+            "task": task,
+            "max_new_tokens": max_new_tokens,
+            **benchmarks.selection_config(job),
+        },
         summarize=summarize,
         render=render,
         plot=plot,
@@ -202,6 +208,8 @@ def evaluate(
         batch_size=job.batch_size,
         min_budget=job.min_budget,
         total=len(found),
+        protocol=job.protocol,
+        granularity=job.granularity,
     )
     store.finish()
     return store

@@ -24,6 +24,7 @@ Scores are in [0, 1] per example; tables show 100 × the mean and the share of t
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -168,6 +169,8 @@ def run_generation(
     batch_size: int = 4,
     min_budget: int = 32,
     total: int | None = None,
+    protocol: str = "decode",
+    granularity: str = "shared",
 ) -> list[dict]:
     """Generates and scores every example under the full cache and each policy × ratio.
 
@@ -183,18 +186,24 @@ def run_generation(
         batch_size: prompts per generation call.
         min_budget: B_min.
         total: number of examples, for the progress bar (optional).
+        protocol: ``decode`` (evict at every decode step) or ``prefill`` (compress the prompt
+            once).
+        granularity: ``shared``, ``layer``, ``head`` or ``adaptive`` (``jaxkv.eviction``).
 
     Returns:
         The store's summarized rows.
 
     Raises:
-        ValueError: ``examples`` is empty (a run without examples is no result), or a prompt
-            does not fit the model's context.
+        ValueError: ``examples`` is empty (a run without examples is no result), a policy
+            does not support ``granularity``, or a prompt does not fit the model's context.
     """
     members = [p for g in groups if not g.is_full for p in g.members]
     runs = [(g, m, s) for g in groups if not g.is_full for m, s in g.runs(seeds)]
+    switch = switch_policy(members, granularity=granularity) if members else None
     comps = {
-        r: switch_compression(switch_policy(members), ratio=r, min_budget=min_budget)
+        r: switch_compression(
+            switch, ratio=r, min_budget=min_budget, protocol=protocol, granularity=granularity
+        )
         for r in (ratios if members else [])
     }
     n_cells = 1 + len(ratios) * len(runs)
@@ -242,6 +251,19 @@ def run_generation(
     if not n_examples:
         raise ValueError(f"{store.name}: no examples to run")
     return store.results()
+
+
+def selection_config(job: Job) -> dict:
+    """``job``'s protocol and granularity for the result file's config, each only when it is
+    not the default (so that default runs keep their earlier files byte for byte)."""
+    return {
+        name: getattr(job, name)
+        for name in ("protocol", "granularity")
+        if getattr(job, name) != _JOB_DEFAULTS[name]
+    }
+
+
+_JOB_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Job)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -482,7 +504,7 @@ def _evaluate(
         job.out,
         name,
         model=model.name,
-        config={**job.config, "max_new_tokens": max_new_tokens, **config},
+        config={**job.config, "max_new_tokens": max_new_tokens, **config, **selection_config(job)},
         summarize=summarize,
         render=render,
         plot=lambda rows, out: plot(rows, out, name=name),
@@ -500,6 +522,8 @@ def _evaluate(
         batch_size=job.batch_size,
         min_budget=job.min_budget,
         total=total,
+        protocol=job.protocol,
+        granularity=job.granularity,
     )
     store.finish()
     return store

@@ -19,7 +19,7 @@ import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 
-from jaxkv.evals import benchmarks, metrics, report, runner, tasks
+from jaxkv.evals import benchmarks, fidelity, metrics, report, runner, tasks
 from jaxkv.evals.runner import Job
 from jaxkv.evals.tasks import Example
 
@@ -128,14 +128,16 @@ def evaluate(
         data_seed: seed of the keys, depths and filler.
 
     Raises:
-        ValueError: an unknown task or a short length, before the model loads; a prompt longer
-            than the model's context, before the first cell runs.
+        ValueError: an unknown task, a short length, or a policy that does not support
+            ``job.granularity``, before the model loads; a prompt longer than the model's
+            context, before the first cell runs.
     """
     for name in task_names:
         if name not in TASKS:
             raise ValueError(f"unknown retrieval task {name!r}; valid: {', '.join(TASKS)}")
     if min(lengths) < MIN_LENGTH:
         raise ValueError(f"--lengths must be >= {MIN_LENGTH} tokens, got {list(lengths)}")
+    fidelity.check_selection(job)
     model = runner.load_eval_model(job.model)
     for n_tokens in lengths:
         need = n_tokens + 64 + tasks.RETRIEVAL_MAX_NEW_TOKENS
@@ -144,7 +146,13 @@ def evaluate(
         job.out,
         NAME,
         model=model.name,
-        config={**job.config, "tasks": task_names, "lengths": lengths, "data_seed": data_seed},
+        config={
+            **job.config,
+            "tasks": task_names,
+            "lengths": lengths,
+            "data_seed": data_seed,
+            **benchmarks.selection_config(job),
+        },
         summarize=benchmarks.summarize,
         render=render,
         plot=plot,
@@ -168,6 +176,8 @@ def evaluate(
             batch_size=job.batch_size,
             min_budget=job.min_budget,
             total=len(batch),
+            protocol=job.protocol,
+            granularity=job.granularity,
         )
     store.finish()
     return store
