@@ -17,6 +17,7 @@ most. See ``jaxkv.kvcache.STAT_NAMES``.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -58,35 +59,59 @@ def entropy(p_BKGTS: jax.Array) -> jax.Array:
     )
 
 
-def contributions(p_BKGTS: jax.Array, w_BT3: jax.Array, names=STAT_NAMES) -> dict:
-    """The contribution ([B, K, S]) of one pass's attention probabilities to each statistic
-    in ``names`` (``vnorm`` is not an attention statistic and is skipped). Only the
-    requested statistics are computed; the rows' entropies only for ``recent_ent``.
+def _mean_over_heads(x_BKGS: jax.Array) -> jax.Array:
+    """Mean over the G query heads of a KV group, as G-1 elementwise adds: XLA fuses them
+    with their producers, where a reduction over that short middle axis ran as a separate
+    (slow) kernel on CPU."""
+    G = x_BKGS.shape[2]
+    return functools.reduce(jnp.add, [x_BKGS[:, :, g] for g in range(G)]) / G
+
+
+def contributions(p_parts, w_BT3: jax.Array, names=STAT_NAMES) -> tuple[dict, ...]:
+    """The contribution ([B, K, S] for each part) of one pass's attention probabilities to
+    each statistic in ``names`` (``vnorm`` is not an attention statistic and is skipped).
+
+    Args:
+        p_parts: the probabilities [B, K, G, T, S] of the key parts of one softmax (e.g. the
+            cache slots and the new tokens); a row's entropy sums over all parts.
+        w_BT3: the query weights (``query_weights``).
+        names: the statistics to compute (nothing else is; the rows' entropies only for
+            ``recent_ent``).
+
+    Returns:
+        One dict {name: [B, K, S]} per part.
 
     Everything is computed from ``p`` after the softmax, never inside it: a softmax that
     also produced statistics would be fused differently by XLA, and the logits of a cache
-    with statistics would no longer equal the full cache's bit for bit."""
+    with statistics would no longer equal the full cache's bit for bit.
+    """
     names = [n for n in names if n in _CHANNEL]
-    p = p_BKGTS.astype(jnp.float32)
-    entropy_BKGT = entropy(p) if "recent_ent" in names else None
+    p_parts = [p.astype(jnp.float32) for p in p_parts]
+    entropy_BKGT = None
+    if "recent_ent" in names:
+        entropy_BKGT = functools.reduce(jnp.add, [entropy(p) for p in p_parts])
+    return tuple(_part_contributions(p, w_BT3, entropy_BKGT, names) for p in p_parts)
+
+
+def _part_contributions(p_BKGTS, w_BT3, entropy_BKGT, names) -> dict:
     per_head = {}  # channel -> [B, K, G, S]: sum over queries of weight * probability
 
     def summed(c):
         if c not in per_head:
             w_BT = w_BT3[..., min(c, _RECENT)]
-            w_BKGT = jnp.broadcast_to(w_BT[:, None, None], p.shape[:4])
+            w_BKGT = jnp.broadcast_to(w_BT[:, None, None], p_BKGTS.shape[:4])
             if c == _RECENT_ENT:
                 w_BKGT = w_BKGT * entropy_BKGT
-            if p.shape[3] == 1:  # decode: a broadcast product, much cheaper on CPU than a dot
-                per_head[c] = p[:, :, :, 0] * w_BKGT[..., 0, None]
+            if p_BKGTS.shape[3] == 1:  # decode: a broadcast product, much cheaper on CPU
+                per_head[c] = p_BKGTS[:, :, :, 0] * w_BKGT[..., 0, None]
             else:
-                per_head[c] = jnp.einsum("bkgts,bkgt->bkgs", p, w_BKGT)
+                per_head[c] = jnp.einsum("bkgts,bkgt->bkgs", p_BKGTS, w_BKGT)
         return per_head[c]
 
     out = {}
     for n in names:
         m = summed(_CHANNEL[n])
-        out[n] = jnp.mean(m**2 if n == "attn_sq" else m, axis=2)
+        out[n] = _mean_over_heads(m**2 if n == "attn_sq" else m)
     return out
 
 

@@ -8,7 +8,7 @@ import pytest
 from jaxkv import kvcache
 from jaxkv.config import ModelConfig
 from jaxkv.generate import DecodeState, Sampling, decode_loop, generate_tokens, pad_prompts
-from jaxkv.model import decoder
+from jaxkv.model import decoder, layers
 from jaxkv.model.params import count_params, init_params, param_shapes
 
 CFG = ModelConfig.tiny()
@@ -51,6 +51,25 @@ def test_batch_with_different_prompt_lengths_matches_single_runs():
         ref = decoder.forward(PARAMS, jnp.concatenate([seq, nxt[i : i + 1]])[None], config=CFG)
         np.testing.assert_allclose(logits[i], ref[0, -2], atol=1e-5, rtol=0)
         np.testing.assert_allclose(step_logits[i], ref[0, -1], atol=1e-5, rtol=0)
+
+
+def test_decode_scores_rowwise_and_batched_equal_the_einsum():
+    q = jax.random.normal(jax.random.key(7), (2, 2, 3, 1, 16))
+    k = jax.random.normal(jax.random.key(8), (2, 2, 40, 16))
+    ref = jnp.einsum("bkgth,bksh->bkgts", q, k) / 4.0
+    for rowwise in (True, False):
+        got = layers.scores(q, k, rowwise=rowwise)
+        assert got.shape == (2, 2, 3, 1, 40)
+        np.testing.assert_allclose(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_split_softmax_equals_one_softmax_over_the_concatenated_keys():
+    s = jax.random.normal(jax.random.key(9), (2, 3, 7))
+    mask = jax.random.bernoulli(jax.random.key(10), 0.6, (2, 3, 7)).at[1, 2].set(False)
+    parts = layers.split_softmax((s[..., :5], s[..., 5:]), (mask[..., :5], mask[..., 5:]))
+    whole = layers.masked_softmax(s, mask)
+    np.testing.assert_allclose(jnp.concatenate(parts, axis=-1), whole, atol=1e-7, rtol=0)
+    np.testing.assert_array_equal(whole[1, 2], 0.0)  # a row that sees nothing: zeros, no NaN
 
 
 def test_bfloat16_runs_and_tracks_float32():

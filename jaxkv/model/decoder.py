@@ -11,6 +11,9 @@ The layer loop is a ``lax.scan`` over the stacked layer weights, with each layer
 slices as scan inputs. Measured on this 2-core CPU, against a Python loop unrolled inside jit
 (which slices layer i out of the stacked weights and cache, and XLA copies those slices at
 every call): decode at 4K context 61 vs 166 ms/token, batch 8 x 1K 124 vs 298 ms/token.
+Where a decode step's time goes, op by op, is in results/profile_decode.md
+(scripts/profile_decode.py): each layer's slices of the stacked weights and values are still
+copied once per step (XLA's CPU dots need contiguous operands), the keys are not.
 """
 
 from __future__ import annotations
@@ -143,23 +146,22 @@ def prefill(
 def _cached_attention(q, k_new, v_new, pos_BT, ck, cv, cpos, config: ModelConfig):
     """Attention of new queries over one layer's cache slots plus the new tokens.
 
+    One softmax over both key parts, never concatenated; visibility comes from positions
+    and broadcasts over the query heads inside the fused ops (no [B, K, G, T, C] mask).
+
     Returns:
-        The output [B, K, G, T, H] and the probabilities [B, K, G, T, C + T].
+        The output [B, K, G, T, H] and the probabilities of the cache slots
+        [B, K, G, T, C] and of the new tokens [B, K, G, T, T].
     """
-    s = jnp.concatenate([layers.scores(q, ck), layers.scores(q, k_new)], axis=-1)
     q_pos = pos_BT[:, None, None, :, None]
-    K, G, T = q.shape[1:4]
-    parts = [
-        layers.visible(q_pos, cpos[:, :, None, None, :], config.sliding_window),
-        layers.visible(q_pos, pos_BT[:, None, None, None, :], config.sliding_window),
-    ]
-    mask = jnp.concatenate(
-        [jnp.broadcast_to(m, (m.shape[0], K, G, T, m.shape[-1])) for m in parts], axis=-1
+    window = config.sliding_window
+    sees_cache = layers.visible(q_pos, cpos[:, :, None, None, :], window)  # [B, K, 1, T, C]
+    sees_new = layers.visible(q_pos, pos_BT[:, None, None, None, :], window)  # [B, 1, 1, T, T]
+    p_cache, p_new = layers.split_softmax(
+        (layers.scores(q, ck), layers.scores(q, k_new)), (sees_cache, sees_new)
     )
-    p = layers.masked_softmax(s, mask)
-    C = ck.shape[2]
-    out = layers.weighted_values(p[..., :C], cv) + layers.weighted_values(p[..., C:], v_new)
-    return out, p
+    out = layers.weighted_values(p_cache, cv) + layers.weighted_values(p_new, v_new)
+    return out, p_cache, p_new
 
 
 def extend(
@@ -178,7 +180,6 @@ def extend(
     pos_BT = cache.length[:, None] + jnp.arange(T, dtype=jnp.int32)
     weights = attn_stats.query_weights(pos_BT, cache.window) if cache.stats else None
     names = tuple(cache.stats)
-    C = cache.capacity
     n_queries_B = jnp.full((tokens_BT.shape[0],), T)
     # Only the accumulating statistics are read back; each layer merges its own slice inside
     # the scan, so every statistic array is streamed once (twice when it accumulates).
@@ -187,14 +188,12 @@ def extend(
     def layer(x, xs):
         lp, ck, cv, cpos, acc_l = xs
         q, k, v = _project_qkv(lp, x, pos_BT, config)
-        attn, p = _cached_attention(q, k, v, pos_BT, ck, cv, cpos, config)
+        attn, p_cache, p_new = _cached_attention(q, k, v, pos_BT, ck, cv, cpos, config)
         x = _finish_layer(lp, x, attn, config)
         if weights is None:
             return x, (k, v, None, None)
-        st = attn_stats.contributions(p, weights, names)
-        old = {n: a[..., :C] for n, a in st.items()}
+        old, new = attn_stats.contributions((p_cache, p_new), weights, names)
         merged = attn_stats.merge(acc_l, old, n_queries_B=n_queries_B, window=cache.window)
-        new = {n: a[..., C:] for n, a in st.items()}
         if "vnorm" in names:
             new["vnorm"] = attn_stats.value_norms(v)
         return x, (k, v, merged, new)

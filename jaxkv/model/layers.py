@@ -6,6 +6,8 @@ Axis letters as in ``jaxkv.config``; attention works in the grouped layout
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -51,19 +53,65 @@ def visible(q_pos, k_pos, window: int | None) -> jax.Array:
     return ok
 
 
-def scores(q_BKGTH: jax.Array, k_BKSH: jax.Array) -> jax.Array:
-    """Scaled dot products [B, K, G, T, S] in float32."""
-    scale = q_BKGTH.shape[-1] ** -0.5
-    s = jnp.einsum("bkgth,bksh->bkgts", q_BKGTH, k_BKSH, preferred_element_type=jnp.float32)
-    return s * scale
+# Most query rows (B * K * G * T) for which decode scores are one matrix-vector product per
+# row; beyond it they are one batched dot.
+MAX_ROWWISE = 512
+
+
+def scores(q_BKGTH: jax.Array, k_BKSH: jax.Array, *, rowwise: bool | None = None) -> jax.Array:
+    """Scaled dot products [B, K, G, T, S] in float32.
+
+    Few query rows against many keys (G * T < H < S: decode over a cache) read the keys as
+    stored, along their contiguous last axis. On CPU (``rowwise=None`` decides by backend
+    and size) every query row is then its own matrix-vector product ``q @ k.T``, which XLA
+    fuses with the read of this layer's keys out of the stacked cache; a batched dot first
+    copies them (and, with the queries as its left operand, transposes them): see
+    results/profile_decode.md. Many query rows (prefill blocks) or few keys use one batched
+    dot with the queries first.
+    """
+    B, K, G, T, H = q_BKGTH.shape
+    S = k_BKSH.shape[2]
+    if G * T >= H or S <= H:
+        s = jnp.einsum("bkgth,bksh->bkgts", q_BKGTH, k_BKSH, preferred_element_type=jnp.float32)
+        return s * H**-0.5
+    if rowwise is None:
+        rowwise = jax.default_backend() == "cpu" and B * K * G * T <= MAX_ROWWISE
+    q_BKNH = q_BKGTH.reshape(B, K, G * T, H)
+    if rowwise:
+        rows = [
+            jnp.matmul(q_BKNH[b, k, n], k_BKSH[b, k].T, preferred_element_type=jnp.float32)
+            for b in range(B)
+            for k in range(K)
+            for n in range(G * T)
+        ]
+        s_BKNS = jnp.stack(rows).reshape(B, K, G * T, S)
+    else:
+        dims = (((3,), (3,)), ((0, 1), (0, 1)))
+        s_BKSN = jax.lax.dot_general(k_BKSH, q_BKNH, dims, preferred_element_type=jnp.float32)
+        s_BKNS = s_BKSN.transpose(0, 1, 3, 2)
+    return s_BKNS.reshape(B, K, G, T, S) * H**-0.5
 
 
 def masked_softmax(s_BKGTS: jax.Array, mask_BKGTS: jax.Array) -> jax.Array:
     """Softmax over keys; a query that sees no key gets all-zero weights, not NaN."""
-    s = jnp.where(mask_BKGTS, s_BKGTS, NEG_INF)
-    p = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True))
-    p = jnp.where(mask_BKGTS, p, 0.0)
-    return p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
+    return split_softmax((s_BKGTS,), (mask_BKGTS,))[0]
+
+
+def split_softmax(s_parts, mask_parts) -> tuple[jax.Array, ...]:
+    """One softmax over the keys of several parts (e.g. cache slots and new tokens),
+    without concatenating them; masks broadcast against their scores.
+
+    Returns:
+        The probabilities of each part, shaped like its scores.
+    """
+    s_parts = [jnp.where(m, s, NEG_INF) for s, m in zip(s_parts, mask_parts, strict=True)]
+    top = functools.reduce(jnp.maximum, [jnp.max(s, axis=-1, keepdims=True) for s in s_parts])
+    e_parts = [
+        jnp.where(m, jnp.exp(s - top), 0.0) for s, m in zip(s_parts, mask_parts, strict=True)
+    ]
+    total = functools.reduce(jnp.add, [jnp.sum(e, axis=-1, keepdims=True) for e in e_parts])
+    total = jnp.maximum(total, 1e-30)
+    return tuple(e / total for e in e_parts)
 
 
 def weighted_values(p_BKGTS: jax.Array, v_BKSH: jax.Array) -> jax.Array:
@@ -104,7 +152,8 @@ def causal_block_attention(
         p = masked_softmax(s, mask)
         outs.append(weighted_values(p, v_BKTH[:, :, lo:stop]))
         if stat_weights_BT3 is not None:
-            part = attn_stats.contributions(p, stat_weights_BT3[:, start:stop], stat_names)
+            w_BT3 = stat_weights_BT3[:, start:stop]
+            (part,) = attn_stats.contributions((p,), w_BT3, stat_names)
             padded = {n: jnp.pad(x, [(0, 0), (0, 0), (lo, T - stop)]) for n, x in part.items()}
             # every statistic adds up over blocks (the final query lies in one block only)
             stats = padded if stats is None else jax.tree.map(jnp.add, stats, padded)

@@ -1,0 +1,483 @@
+"""Where decode time goes: per-op profile, memory-bandwidth floor, old vs new side by side.
+
+SmolLM2-135M, float32, on this CPU. Three measurements (``all`` runs them all and prints the
+Markdown tables that ``results/profile_decode.md`` quotes):
+
+* ``profile``: ``jax.profiler.trace`` of a few jitted ``decode_step`` calls (the cache donated,
+  filled with random keys/values at positions 0..ctx-1), read back with
+  ``jax.profiler.ProfileData``. Every XLA CPU thunk (a fusion, a dot, a copy) is one event;
+  its wall time per step is the union of its intervals over the worker threads. Each op is
+  labelled from the compiled HLO (shape, fused root, source op) and put in a category.
+* ``bandwidth``: the streaming-read floor, a sum over a 1 GiB float32 array with numpy on
+  one and on two threads (each summing half), median of several runs.
+* ``compare``: decode ms/token (B = 1 and 8 at 1K and 4K context) and prefill tokens/s (512,
+  2048) of the implementation before issue 17 (kept below as ``_old_*``, for this script
+  only) and the library's, taking turns in one process; medians and their ratio.
+
+    .venv/bin/python scripts/profile_decode.py all [--out report.md]   # everything
+    .venv/bin/python scripts/profile_decode.py profile --batch 1 --context 4096 [--stats] \
+        [--impl old]
+    .venv/bin/python scripts/profile_decode.py bandwidth
+    .venv/bin/python scripts/profile_decode.py compare [--reps 9]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import re
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxkv
+from jaxkv import kvcache
+from jaxkv import stats as attn_stats
+from jaxkv.model import decoder, layers
+
+# --- the implementation before issue 17 (decode attention and statistics) -------------------
+
+
+def _old_scores(q_BKGTH, k_BKSH):
+    s = jnp.einsum("bkgth,bksh->bkgts", q_BKGTH, k_BKSH, preferred_element_type=jnp.float32)
+    return s * q_BKGTH.shape[-1] ** -0.5
+
+
+def _old_masked_softmax(s, mask):
+    s = jnp.where(mask, s, layers.NEG_INF)
+    p = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True))
+    p = jnp.where(mask, p, 0.0)
+    return p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
+
+
+def _old_contributions(p, w_BT3, names):
+    names = [n for n in names if n in attn_stats._CHANNEL]
+    ent = attn_stats.entropy(p) if "recent_ent" in names else None
+    per_head = {}
+    for n in names:
+        c = attn_stats._CHANNEL[n]
+        if c not in per_head:
+            w = jnp.broadcast_to(w_BT3[..., min(c, 2)][:, None, None], p.shape[:4])
+            w = w * ent if c == 3 else w
+            per_head[c] = p[:, :, :, 0] * w[..., 0, None]
+    return {
+        n: jnp.mean(per_head[attn_stats._CHANNEL[n]] ** (2 if n == "attn_sq" else 1), axis=2)
+        for n in names
+    }
+
+
+def _old_cached_attention(q, k_new, v_new, pos_BT, ck, cv, cpos, config):
+    """Scores of cache and new tokens concatenated, a [B, K, G, T, C + T] mask, one softmax."""
+    s = jnp.concatenate([_old_scores(q, ck), _old_scores(q, k_new)], axis=-1)
+    q_pos = pos_BT[:, None, None, :, None]
+    K, G, T = q.shape[1:4]
+    parts = [
+        layers.visible(q_pos, cpos[:, :, None, None, :], config.sliding_window),
+        layers.visible(q_pos, pos_BT[:, None, None, None, :], config.sliding_window),
+    ]
+    mask = jnp.concatenate(
+        [jnp.broadcast_to(m, (m.shape[0], K, G, T, m.shape[-1])) for m in parts], axis=-1
+    )
+    p = _old_masked_softmax(s, mask)
+    C = ck.shape[2]
+    out = layers.weighted_values(p[..., :C], cv) + layers.weighted_values(p[..., C:], v_new)
+    return out, p
+
+
+def _old_decode_step(params, token_B, cache, *, config):
+    tokens_BT = token_B[:, None]
+    pos_BT = cache.length[:, None] + jnp.arange(1, dtype=jnp.int32)
+    weights = attn_stats.query_weights(pos_BT, cache.window) if cache.stats else None
+    names = tuple(cache.stats)
+    C = cache.capacity
+    n_queries_B = jnp.full((tokens_BT.shape[0],), 1)
+    acc = {n: a for n, a in cache.stats.items() if n in attn_stats.ACCUMULATING}
+
+    def layer(x, xs):
+        lp, ck, cv, cpos, acc_l = xs
+        q, k, v = decoder._project_qkv(lp, x, pos_BT, config)
+        attn, p = _old_cached_attention(q, k, v, pos_BT, ck, cv, cpos, config)
+        x = decoder._finish_layer(lp, x, attn, config)
+        if weights is None:
+            return x, (k, v, None, None)
+        st = _old_contributions(p, weights, names)
+        old = {n: a[..., :C] for n, a in st.items()}
+        merged = attn_stats.merge(acc_l, old, n_queries_B=n_queries_B, window=cache.window)
+        new = {n: a[..., C:] for n, a in st.items()}
+        if "vnorm" in names:
+            new["vnorm"] = attn_stats.value_norms(v)
+        return x, (k, v, merged, new)
+
+    xs = (params["layers"], cache.k, cache.v, cache.pos, acc)
+    x, (ks, vs, merged, new_stats) = jax.lax.scan(
+        layer, decoder._embed(params, tokens_BT, config), xs
+    )
+    if weights is not None:
+        cache = cache.replace(stats={**cache.stats, **merged})
+    cache = kvcache.append(cache, ks, vs, pos_BT, new_stats)
+    return decoder._guard(decoder._logits(params, x, config), cache)[:, 0], cache
+
+
+@contextlib.contextmanager
+def _old_prefill_ops():
+    """Traces prefill with the old score and softmax functions."""
+    saved = layers.scores, layers.masked_softmax
+    layers.scores, layers.masked_softmax = _old_scores, _old_masked_softmax
+    try:
+        yield
+    finally:
+        layers.scores, layers.masked_softmax = saved
+
+
+def decode_fn(impl, config):
+    step = _old_decode_step if impl == "old" else decoder.decode_step
+    return jax.jit(lambda p, t, c: step(p, t, c, config=config), donate_argnums=2)
+
+
+def prefill_fn(impl, config):
+    def run(p, t, c):
+        with _old_prefill_ops() if impl == "old" else contextlib.nullcontext():
+            return decoder.prefill(p, t, c, config=config)[0]
+
+    return jax.jit(run)
+
+
+# --- measurements ----------------------------------------------------------------------------
+
+
+def filled_cache(config, batch, ctx, stats=False, extra=64):
+    """A cache whose first ``ctx`` slots hold random keys/values at positions 0..ctx-1."""
+    cache = kvcache.init_cache(config, batch_size=batch, capacity=ctx + extra, stats=stats)
+    shape = cache.k[:, :, :, :ctx].shape
+    key = jax.random.key(0)
+    return cache.replace(
+        k=cache.k.at[:, :, :, :ctx].set(jax.random.normal(key, shape)),
+        v=cache.v.at[:, :, :, :ctx].set(jax.random.normal(jax.random.fold_in(key, 1), shape)),
+        pos=cache.pos.at[:, :, :, :ctx].set(jnp.arange(ctx)),
+        stats={n: a.at[:, :, :, :ctx].set(0.01) for n, a in cache.stats.items()},
+        length=jnp.full((batch,), ctx, jnp.int32),
+    )
+
+
+class Decoder:
+    """A jitted decode step that owns its (donated) cache."""
+
+    def __init__(self, model, impl, batch, ctx, stats=False):
+        self.params, self.step = model.params, decode_fn(impl, model.config)
+        self.cache = filled_cache(model.config, batch, ctx, stats)
+        self.token = jnp.zeros((batch,), jnp.int32)
+
+    def __call__(self):
+        logits, self.cache = self.step(self.params, self.token, self.cache)
+        logits.block_until_ready()
+
+    def hlo(self):
+        return self.step.lower(self.params, self.token, self.cache).compile().as_text()
+
+
+class Prefiller:
+    """A jitted prefill of random tokens into a fresh cache."""
+
+    def __init__(self, model, impl, batch, n):
+        self.model, self.fn, self.batch, self.n = model, prefill_fn(impl, model.config), batch, n
+        rng = np.random.default_rng(0)
+        self.tokens = jnp.asarray(rng.integers(0, model.config.vocab_size, (batch, n)))
+
+    def __call__(self):
+        cache = kvcache.init_cache(self.model.config, batch_size=self.batch, capacity=self.n)
+        self.fn(self.model.params, self.tokens, cache).block_until_ready()
+
+
+def in_turns(fns: dict, reps: int) -> dict:
+    """Seconds of ``reps`` calls of each function, the functions taking turns."""
+    times = {k: [] for k in fns}
+    for _ in range(reps):
+        for k, f in fns.items():
+            t0 = time.perf_counter()
+            f()
+            times[k].append(time.perf_counter() - t0)
+    return times
+
+
+_MOVES = {"parameter", "constant", "bitcast", "copy", "transpose", "dynamic-slice", "slice"}
+
+
+def hlo_ops(text: str) -> dict:
+    """{instruction: (shape, kind, source op, shapes inside)} of compiled HLO. ``kind`` is the
+    opcode, for a fusion that of its root, or "moves" for a fusion that only moves data
+    ("transposes" when that includes a transpose)."""
+    comps, info, comp = collections.defaultdict(list), {}, None
+    for line in text.splitlines():
+        head = re.match(r"^(?:ENTRY )?%(\S+) .*\{$", line)
+        if head:
+            comp = head.group(1)
+            continue
+        m = re.match(r"^\s+(ROOT )?%(\S+) = (\([^)]*\)|\S+) ([\w-]+)\(", line)
+        if not m:
+            continue
+        is_root, name, shape, opcode = m.groups()
+        src = re.search(r'op_name="([^"]*)"', line)
+        calls = re.search(r"calls=%([\w.-]+)", line)
+        shape = shape.split("{")[0]
+        info[name] = [shape, opcode, src.group(1) if src else "", calls, shape]
+        comps[comp].append((opcode, is_root, name, shape))
+    for v in info.values():
+        calls, v[3] = v[3], None
+        body = comps.get(calls.group(1), []) if calls else []
+        opcodes = {op for op, _, _, _ in body}
+        v[4] = " ".join([v[0]] + [sh for _, _, _, sh in body])
+        if body and opcodes <= _MOVES:
+            v[1] = "transposes" if "transpose" in opcodes else "moves"
+        elif body:
+            root = next(n for _, r, n, _ in body if r)
+            v[1], v[2] = info[root][1], v[2] or info[root][2]
+    return {k: (v[0], v[1], v[2], v[4]) for k, v in info.items()}
+
+
+def category(name, op, *, capacity, head_dim, vocab):
+    """A coarse label of one XLA op (``hlo_ops`` entry) from its shapes, kind and source."""
+    shape, kind, source, inside = op
+    dims = {int(d) for d in re.findall(r"\d+", shape)}
+    touches_cache = bool({str(capacity), str(capacity + 1)} & set(re.findall(r"\d+", inside)))
+    if kind == "copy" and not name.startswith(("copy_", "copy.")):
+        kind = "moves"
+    moves = kind in ("moves", "transposes", "copy")
+    if vocab in dims:
+        return "logits (tied embedding)"
+    if "scatter" in kind or "scatter" in source:
+        return "cache write (scatter of the new token)"
+    if moves and {capacity, head_dim} <= dims:
+        if kind == "transposes":
+            return "copy of a layer's keys into a transposed layout"
+        return "copy of a layer's K or V out of the stacked cache"
+    if touches_cache and kind == "dot":
+        return "attention dots (q.k, p.v)"
+    if touches_cache and "dynamic_update_slice" in source:
+        return "statistics (per-layer outputs)"
+    if touches_cache and (kind in ("concatenate", "pad") or "concatenate" in source):
+        return "concatenations / stacks of slot-shaped arrays"
+    if touches_cache and moves:
+        return "small copies of slot-shaped arrays (pos, scores, statistics)"
+    if touches_cache:
+        return "softmax, masks, statistics"
+    if moves:
+        return "copy of a layer's weights out of the stacked weights"
+    if kind == "dot":
+        return "weight matmuls"
+    return "other (norms, RoPE, residuals, loop)"
+
+
+def profile(model, impl, batch, ctx, stats, steps=8):
+    """Profile of decode_step: (ms/step untraced (median), ms/step traced (mean),
+    [(op, shape, category, source, ms/step)] sorted by time)."""
+    dec = Decoder(model, impl, batch, ctx, stats)
+    ops = hlo_ops(dec.hlo())
+    for _ in range(3):
+        dec()
+    step_ms = 1e3 * statistics.median(in_turns({"d": dec}, 10)["d"])
+    trace_dir = tempfile.mkdtemp(prefix="jaxkv_profile_")
+    try:
+        with jax.profiler.trace(trace_dir):
+            traced_ms = 1e3 * sum(in_turns({"d": dec}, steps)["d"]) / steps
+        (xplane,) = Path(trace_dir).rglob("*.xplane.pb")
+        data = jax.profiler.ProfileData.from_file(str(xplane))
+    finally:
+        shutil.rmtree(trace_dir, ignore_errors=True)
+    spans = collections.defaultdict(list)
+    for plane in data.planes:
+        for line in plane.lines:
+            if not line.name.startswith("tf_XLA"):  # XLA's CPU worker threads
+                continue
+            for e in line.events:
+                if e.name in ops and ops[e.name][1] != "while":
+                    spans[e.name].append((e.start_ns, e.start_ns + e.duration_ns))
+    rows = []
+    for name, iv in spans.items():
+        cfg = model.config
+        cat = category(
+            name, ops[name], capacity=ctx + 64, head_dim=cfg.head_dim, vocab=cfg.vocab_size
+        )
+        rows.append((name, ops[name][0], cat, ops[name][2], _union_ns(iv) / steps / 1e6))
+    return step_ms, traced_ms, sorted(rows, key=lambda r: -r[-1])
+
+
+def _union_ns(intervals):
+    total, (lo, hi) = 0, sorted(intervals)[0]
+    for s, e in sorted(intervals)[1:]:
+        if s > hi:
+            total, lo, hi = total + hi - lo, s, e
+        else:
+            hi = max(hi, e)
+    return total + hi - lo
+
+
+def bandwidth(reps=7):
+    """Median GB/s of a sum over 1 GiB float32: numpy on one thread, and on two threads."""
+    a = np.ones(256 * 1024 * 1024, np.float32)
+    halves = np.split(a, 2)
+
+    def two_threads():
+        ts = [threading.Thread(target=h.sum) for h in halves]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+
+    times = in_turns({"1 thread": a.sum, "2 threads": two_threads}, reps)
+    return {k: a.nbytes / statistics.median(v) / 1e9 for k, v in times.items()}
+
+
+def compare(model, reps=9, decode_rows=((1, 1024), (1, 4096), (8, 1024), (8, 4096))):
+    """Old vs new in turns: rows (kind, batch, tokens, unit, old median, new median, old best,
+    new best, paired speed-up); prefill in tokens/s, decode in ms/token."""
+    out = []
+    for batch, n in ((1, 512), (1, 2048)):
+        fns = {impl: Prefiller(model, impl, batch, n) for impl in ("old", "new")}
+        for f in fns.values():
+            f()
+        t = in_turns(fns, max(3, reps // 3))
+        rates = [n * batch / f(t[k]) for f in (_med, min) for k in fns]
+        out.append(("prefill", batch, n, "tokens/s", *rates, _paired(t["old"], t["new"])))
+        print(out[-1], flush=True)
+    for batch, ctx in decode_rows:
+        fns = {impl: Decoder(model, impl, batch, ctx) for impl in ("old", "new")}
+        for f in fns.values():
+            f(), f()
+        t = in_turns(fns, reps if batch == 1 else max(3, reps // 2))
+        times = [1e3 * f(t[k]) for f in (_med, min) for k in fns]
+        out.append(("decode", batch, ctx, "ms/token", *times, _paired(t["old"], t["new"])))
+        print(out[-1], flush=True)
+    return out
+
+
+def _med(x):
+    return statistics.median(x)
+
+
+def _paired(old, new):
+    """Median over turns of old time / new time (each turn runs both back to back)."""
+    return _med([a / b for a, b in zip(old, new, strict=True)])
+
+
+# --- report ----------------------------------------------------------------------------------
+
+
+def profile_table(untraced_ms, step_ms, rows, top=15):
+    """Markdown: the top ops and every category, in ms per step and % of the traced step."""
+    lines = [
+        f"Step {untraced_ms:.1f} ms untraced (median), {step_ms:.1f} ms traced (mean, the "
+        "base of the percentages). Top ops, ms per step (union of an op's intervals over "
+        "the two worker threads):",
+        "",
+        "| # | XLA op | shape | category | ms | % of step |",
+        "|---|---|---|---|---|---|",
+    ]
+    for i, (name, shape, cat, _, ms) in enumerate(rows[:top], 1):
+        lines.append(
+            f"| {i} | `{name}` | `{shape}` | {cat} | {ms:.2f} | {100 * ms / step_ms:.1f} |"
+        )
+    by_cat = collections.Counter()
+    for _, _, cat, _, ms in rows:
+        by_cat[cat] += ms
+    lines += ["", "| category | ms | % of step |", "|---|---|---|"]
+    for cat, ms in by_cat.most_common():
+        lines.append(f"| {cat} | {ms:.2f} | {100 * ms / step_ms:.1f} |")
+    rest = step_ms - sum(by_cat.values())
+    lines.append(
+        f"| (step minus all ops: dispatch, idle; < 0 where ops overlap on two threads) "
+        f"| {rest:.2f} | {100 * rest / step_ms:.1f} |"
+    )
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("what", choices=["all", "profile", "bandwidth", "compare"])
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--stats", action="store_true", help="the cache carries every statistic")
+    ap.add_argument("--impl", choices=["old", "new"], default="new")
+    ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--out", type=Path, help="``all``: also write the Markdown report here")
+    args = ap.parse_args()
+    if args.what == "bandwidth":
+        print(bandwidth())
+        return
+    model = jaxkv.load("smollm2-135m")
+    if args.what == "profile":
+        print(
+            profile_table(
+                *profile(model, args.impl, args.batch, args.context, args.stats), args.top
+            )
+        )
+    elif args.what == "compare":
+        for r in compare(model, args.reps):
+            print(r)
+    else:
+        write_report(model, args)
+
+
+def write_report(model, args):
+    parts = ["# Decode profile (SmolLM2-135M, float32, CPU)", ""]
+    for impl in ("old", "new"):
+        for batch, ctx, stats in (
+            (1, 4096, False),
+            (1, 4096, True),
+            (1, 1024, False),
+            (8, 4096, False),
+        ):
+            parts += [
+                f"## {impl}: B={batch}, context {ctx}, statistics {'on' if stats else 'off'}",
+                "",
+                profile_table(*profile(model, impl, batch, ctx, stats), args.top),
+                "",
+            ]
+            print(parts[-2], flush=True)
+    bw = bandwidth()
+    cfg = model.config
+    weights = sum(x.nbytes for x in jax.tree.leaves(model.params))
+    parts += [
+        "## Memory-bandwidth floor",
+        "",
+        "Streaming read, sum over 1 GiB float32 (median of 7): "
+        + ", ".join(f"{k} {v:.1f} GB/s" for k, v in bw.items()),
+        "",
+        "| batch | context | weights MB | KV MB | floor ms/token at the best rate |",
+        "|---|---|---|---|---|",
+    ]
+    for batch, ctx in ((1, 1024), (1, 4096), (8, 1024), (8, 4096)):
+        kv = 2 * cfg.n_layers * batch * cfg.n_kv_heads * ctx * cfg.head_dim * 4
+        floor = (weights + kv) / max(bw.values()) / 1e6
+        parts.append(f"| {batch} | {ctx} | {weights / 1e6:.0f} | {kv / 1e6:.0f} | {floor:.1f} |")
+    parts.append("")
+    rows = compare(model, args.reps)
+    parts += [
+        "## Before / after (in turns, one process)",
+        "",
+        "| phase | batch | tokens / context | unit | before | after | speed-up | "
+        "before, best turn | after, best turn | speed-up, median of paired turns |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for kind, batch, n, unit, old, new, old_best, new_best, paired in rows:
+        up = new / old if unit == "tokens/s" else old / new
+        parts.append(
+            f"| {kind} | {batch} | {n} | {unit} | {old:.1f} | {new:.1f} | {up:.2f}x | "
+            f"{old_best:.1f} | {new_best:.1f} | {paired:.2f}x |"
+        )
+    report = "\n".join(parts) + "\n"
+    print(report)
+    if args.out:
+        args.out.write_text(report)
+
+
+if __name__ == "__main__":
+    main()
