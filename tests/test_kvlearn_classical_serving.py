@@ -107,13 +107,16 @@ def random_requests(seed: int, n_req: int = 300) -> list[list[int]]:
 
 # ---- references (request by request, from the published definitions) ------------------------
 class RefVllmARC:
-    """vLLM ``ARCOffloadingManager``: touch all blocks (reversed), lookup, then store the
-    request's new blocks as one batch (evict what the batch needs, trim ghosts, insert into T1).
-    Where vLLM runs out of victims (|T1| < p with T2 empty) it stores nothing; the policy then
-    keeps the blocks stored one per slot freed so far (its documented difference)."""
+    """vLLM 0.32 ``ARCCachePolicy`` under ``CPUOffloadingManager``: touch all blocks (reversed;
+    a ghost hit adapts p by max(1, ratio) as a float and moves the id to its ghost list's MRU
+    end), lookup, then store the request's new blocks as one batch (evict what the batch needs:
+    T1 if |T1| ≥ int(p), else T2, else T1; trim ghosts; insert into T1), then finish the
+    request (its stored blocks move to T1's MRU end, deepest first). Where vLLM runs out of
+    victims (T1 and T2 empty) it stores nothing; the policy then keeps the blocks stored one per
+    slot freed so far (its documented difference)."""
 
     def __init__(self, c):
-        self.c, self.p = c, 0
+        self.c, self.p = c, 0.0
         self.t1, self.t2, self.b1, self.b2 = [], [], [], []
         self.short = 0  # batches where vLLM would have stored nothing
 
@@ -126,15 +129,19 @@ class RefVllmARC:
                 self.t2.remove(b)
                 self.t2.append(b)
             elif b in self.b1:
-                self.p = min(self.p + max(1, len(self.b2) // len(self.b1)), self.c)
+                self.p = min(self.p + max(1, len(self.b2) / len(self.b1)), self.c)
+                self.b1.remove(b)
+                self.b1.append(b)
             elif b in self.b2:
-                self.p = max(self.p - max(1, len(self.b1) // len(self.b2)), 0)
+                self.p = max(self.p - max(1, len(self.b1) / len(self.b2)), 0)
+                self.b2.remove(b)
+                self.b2.append(b)
         hit = _prefix_hits(blocks, set(self.t1) | set(self.t2))
         new = [b for b in blocks[hit:] if b not in self.t1 and b not in self.t2]
         free = self.c - len(self.t1) - len(self.t2)
         evicted = []
         for _ in range(len(new) - free):
-            if self.t1 and len(self.t1) >= self.p:
+            if self.t1 and (len(self.t1) >= int(self.p) or not self.t2):
                 v = self.t1.pop(0)
                 self.b1.append(v)
             elif self.t2:
@@ -152,6 +159,9 @@ class RefVllmARC:
             for g in (self.b1, self.b2):
                 if b in g:
                     g.remove(b)
+        for b in reversed(new):  # request finished: its stored blocks, deepest first, to MRU
+            self.t1.remove(b)
+            self.t1.append(b)
         return hit, evicted
 
 
@@ -363,15 +373,16 @@ def _reference_run(ref, reqs, *, with_index=False):
 
 # ---- hand-worked traces ---------------------------------------------------------------------
 def test_arc_hand_worked_vllm_semantics(monkeypatch):
-    # c = 2, one block per request. p starts at 0; T1, T2, B1, B2 listed LRU first.
+    # c = 2, one block per request. p starts at 0.0; T1, T2, B1, B2 listed LRU first. Evict from
+    # T1 if |T1| ≥ int(p); a ghost hit adds/subtracts max(1, ratio), the ratio a float.
     #  1 a  miss            T1=[a]
     #  2 b  miss            T1=[a,b]
     #  3 a  hit: T1→T2      T1=[b] T2=[a]
-    #  4 c  miss, full, |T1|=1 ≥ p=0: evict b → B1=[b]; T1=[c]
-    #  5 b  B1 hit: p=0+max(1,0//1)=1; miss, |T1|=1 ≥ 1: evict c → B1=[b,c]; b stored in T1
+    #  4 c  miss, full, |T1|=1 ≥ 0: evict b → B1=[b]; T1=[c]
+    #  5 b  B1 hit: p=0+max(1,0/1)=1; miss, |T1|=1 ≥ 1: evict c → B1=[b,c]; b stored in T1
     #       (the paper would put it in T2), leaves B1: T1=[b] B1=[c]
     #  6 c  B1 hit: p=2; |T1|=1 < 2: evict T2's a → B2=[a]; T1=[b,c] B1=[]
-    #  7 a  B2 hit: p=max(2−max(1,0//1),0)=1; |T1|=2 ≥ 1: evict b → B1=[b]; T1=[c,a] B2=[]
+    #  7 a  B2 hit: p=max(2−max(1,0/1),0)=1; |T1|=2 ≥ 1: evict b → B1=[b]; T1=[c,a] B2=[]
     #  8 c  hit: T1→T2      T1=[a] T2=[c]
     #  9 d  miss, |T1|=1 ≥ 1: evict a → B1=[b,a]; T1=[d]
     hits, ev, pol, _ = _run(monkeypatch, "arc", _single("abacbcacd"), 2)
@@ -379,10 +390,85 @@ def test_arc_hand_worked_vllm_semantics(monkeypatch):
     assert ev == [[], [], [], ["b"], ["c"], ["a"], ["b"], [], ["a"]]
     names = lambda d: [_trace(_single("abacbcacd"))[1][b] for b in d]
     assert (pol.p, names(pol.t1), names(pol.t2), names(pol.b1), names(pol.b2)) == (
-        1,
+        1.0,
         ["d"],
         ["c"],
         ["b", "a"],
+        [],
+    )
+
+
+def test_arc_ghost_hit_moves_the_id_to_its_ghost_lists_mru_end(monkeypatch):
+    # c = 2, one block per request (vLLM 0.32's ``_adapt_to_ghost_hit``).
+    #  1-4 a b c d   a, b evicted from T1 in turn: B1=[a,b]; T1=[c,d]
+    #  5 a  B1 hit: p=0+max(1,0/2)=1 and a moves to B1's MRU end: B1=[b,a]; |T1|=2 ≥ 1: evict
+    #       c → B1=[b,a,c], trimmed to c=2 → [a,c] (b, now the LRU, is forgotten); a stored,
+    #       leaves B1: T1=[d,a] B1=[c]
+    #  6 b  no ghost hit (without the move b would still be in B1 and p would become 2);
+    #       |T1|=2 ≥ 1: evict d → B1=[c,d]; T1=[a,b]
+    #  7 a  hit: T1=[b] T2=[a]
+    #  8 e  |T1|=1 ≥ int(1): evict T1's b (with p=2 it would be T2's a) → B1=[c,d,b] → [d,b]
+    hits, ev, pol, _ = _run(monkeypatch, "arc", _single("abcdabae"), 2)
+    assert hits == [0, 0, 0, 0, 0, 0, 1, 0]
+    assert ev == [[], [], ["a"], ["b"], ["c"], ["d"], [], ["b"]]
+    names = lambda d: [_trace(_single("abcdabae"))[1][b] for b in d]
+    assert (pol.p, names(pol.t1), names(pol.t2), names(pol.b1), names(pol.b2)) == (
+        1.0,
+        ["e"],
+        ["a"],
+        ["d", "b"],
+        [],
+    )
+
+
+def test_arc_adapts_p_by_a_float_ratio_and_a_finished_request_ends_head_first(monkeypatch):
+    # c = 3. A finished request's stored blocks move to T1's MRU end deepest first, so its
+    # first block ends most recent (vLLM 0.32's ``on_request_finished``).
+    #  1 [a,b,c]  stored T1=[a,b,c]; finish: T1=[c,b,a]
+    #  2 [a,b,c]  3 hits, touched c, b, a: T2=[c,b,a] T1=[]
+    #  3 [d,e,f]  evict 3, T1 empty: T2's c, b, a → B2=[c,b,a]; T1=[d,e,f] → finish [f,e,d]
+    #  4 [g,h]    evict 2, |T1| ≥ 0: f, e (without the finish order: d, e) → B1=[f,e];
+    #             T1=[d,g,h] → finish [d,h,g]
+    #  5 [f]      B1 hit: p=0+max(1,3/2)=1.5 (⌊3/2⌋ would give 1); B1=[e,f]; |T1|=3 ≥ int(1.5):
+    #             evict d → B1=[e,f,d]; f stored: T1=[h,g,f] B1=[e,d]
+    #  6 [e]      B1 hit: p=1.5+max(1,3/2)=3 (integer steps: 2); B1=[d,e]; |T1|=3 ≥ 3: evict
+    #             h → B1=[d,e,h]; e stored: T1=[g,f,e] B1=[d,h]
+    #  7 [g]      hit: T1=[f,e] T2=[g]
+    #  8 [i]      |T1|=2 < int(3): evict T2's g (with p=2: T1's f) → B2=[c,b,a,g] → [b,a,g];
+    #             T1=[f,e,i]
+    reqs = [["a", "b", "c"], ["a", "b", "c"], ["d", "e", "f"], ["g", "h"]]
+    reqs += [["f"], ["e"], ["g"], ["i"]]
+    hits, ev, pol, _ = _run(monkeypatch, "arc", reqs, 3)
+    assert hits == [0, 3, 0, 0, 0, 0, 1, 0]
+    assert ev == [[], [], ["c", "b", "a"], ["f", "e"], ["d"], ["h"], [], ["g"]]
+    names = lambda d: [_trace(reqs)[1][b] for b in d]
+    assert (pol.p, names(pol.t1), names(pol.t2), names(pol.b1), names(pol.b2)) == (
+        3.0,
+        ["f", "e", "i"],
+        [],
+        ["d", "h"],
+        ["b", "a", "g"],
+    )
+
+
+def test_arc_evicts_from_t1_below_p_when_t2_is_empty(monkeypatch):
+    # c = 2. vLLM's ``evict`` falls back to T1 when T1 is below int(p) and T2 has nothing.
+    #  1-5 a b c d a   as in the ghost-hit test: p=1, T1=[d,a] B1=[c]
+    #  6 c        B1 hit: p=1+max(1,0/1)=2; |T1|=2 ≥ 2: evict d → B1=[c,d]; c stored:
+    #             T1=[a,c] B1=[d]
+    #  7 [x,y]    evict 2: |T1|=2 ≥ 2: a; then |T1|=1 < 2 and T2 empty: c (not a refused store)
+    #             → B1=[d,a,c] → [a,c]; T1=[x,y] → finish [y,x]
+    #  8 z        |T1|=2 ≥ 2: evict y, the batch's deepest block → B1=[a,c,y] → [c,y]; T1=[x,z]
+    reqs = _single("abcdac") + [["x", "y"], ["z"]]
+    hits, ev, pol, rec = _run(monkeypatch, "arc", reqs, 2)
+    assert hits == [0] * 8 and rec["discards"] == 0
+    assert ev == [[], [], ["a"], ["b"], ["c"], ["d"], ["a", "c"], ["y"]]
+    names = lambda d: [_trace(reqs)[1][b] for b in d]
+    assert (pol.p, names(pol.t1), names(pol.t2), names(pol.b1), names(pol.b2)) == (
+        2.0,
+        ["x", "z"],
+        [],
+        ["c", "y"],
         [],
     )
 

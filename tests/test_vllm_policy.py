@@ -225,15 +225,9 @@ def test_jaxkv_lru_matches_vllm_lru_on_every_evict_call():
 
 
 @pytest.mark.vllm
-@pytest.mark.xfail(
-    strict=True,
-    reason="serving/policies/arc.py follows an older vLLM ARC: vLLM 0.32 adapts p by "
-    "max(1, |B2|/|B1|) as a float (test |T1| >= int(p)), moves a ghost hit to its list's MRU "
-    "end, and at request finish puts a request's only-stored blocks at the MRU end in reverse "
-    "prefix order; scripts/bench_vllm_policy.py --cross-check (Arc032) shows 100 % with these",
-)
 def test_jaxkv_arc_matches_vllm_arc_on_every_evict_call():
     (row,) = _cross((("arc", "JaxkvARC"),))
+    assert row["calls"] > 500 and row["evicted"] > 5000
     assert row["matches"] == row["calls"] == row["jaxkv_calls"]
 
 
