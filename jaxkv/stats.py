@@ -144,9 +144,6 @@ def value_norms(v_BKTH: jax.Array) -> jax.Array:
     return jnp.linalg.norm(v_BKTH.astype(jnp.float32), axis=-1)
 
 
-def stack_layers(per_layer: list[dict]) -> dict:
-    """[{name: [B, K, S]}] * L -> {name: [L, B, K, S]}."""
-    return jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
 
 
 FEATURE_NAMES = ("alpha", "vnorm", "sigma", "entropy", "pos")

@@ -105,7 +105,8 @@ def checkpoint_path(spec: str | Path) -> Path:
         return shipped
     names = sorted(p.name for p in shipped_checkpoints().iterdir() if p.is_dir())
     raise checkpoint_lib.CheckpointError(
-        path.absolute(), f"no such folder, and no shipped checkpoint of that name ({names})",
+        path.absolute(),
+        f"no such folder, and no shipped checkpoint of that name ({names})",
         what="learned policy",
     )
 

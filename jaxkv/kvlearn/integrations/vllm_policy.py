@@ -405,7 +405,7 @@ class JaxkvARC(CachePolicy):
     ``on_request_finished`` / ``touch`` → ``on_access`` of the keys the request reused (T1 →
     T2, T2 → MRU); ``evict`` → ``victim`` then ``on_evict`` per chunk. Where ``victim`` names a
     chunk vLLM may not evict (ref_cnt ≠ 0 or protected), the adapter takes the next evictable
-    chunk of the list ``ARC``'s rule picks (T1 if |T1| ≥ p, else T2; then the other list), as
+    chunk of the list ``ARC``'s rule picks (T1 if |T1| ≥ int(p), else T2; then the other list), as
     vLLM's ``arc`` does. ``evict`` first checks that n evictable, unprotected chunks exist, so a
     refusal changes nothing.
     """
