@@ -144,8 +144,6 @@ def value_norms(v_BKTH: jax.Array) -> jax.Array:
     return jnp.linalg.norm(v_BKTH.astype(jnp.float32), axis=-1)
 
 
-
-
 FEATURE_NAMES = ("alpha", "vnorm", "sigma", "entropy", "pos")
 # The cache statistics ``features`` reads.
 FEATURE_STATS = ("attn", "attn_sq", "recent", "recent_ent", "vnorm")
