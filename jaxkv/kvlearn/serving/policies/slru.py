@@ -44,13 +44,7 @@ class SLRU(BlockPolicy):
 
     def on_access(self, blocks, hit, i, now):
         for b in reversed(blocks.tolist()):
-            if b in self.probation:
-                del self.probation[b]
-                self.protected[b] = None
-                while len(self.protected) > self.protected_cap:
-                    self.probation[self.protected.popitem(last=False)[0]] = None
-            elif b in self.protected:
-                self.protected.move_to_end(b)
+            touch_segments(self.probation, self.protected, b, protected_cap=self.protected_cap)
 
     def prio(self, b, i, j, now):
         return ()
@@ -66,3 +60,19 @@ class SLRU(BlockPolicy):
 
     def on_insert(self, b):
         self.probation[b] = None
+
+
+def touch_segments(probation: OrderedDict, protected: OrderedDict, b: int, *, protected_cap: int):
+    """An access to ``b`` in an SLRU main (probation -> protected, demoting protected's LRU
+    blocks while it is over ``protected_cap``; protected -> its MRU end). Returns whether ``b``
+    was in either segment."""
+    if b in probation:
+        del probation[b]
+        protected[b] = None
+        while len(protected) > protected_cap:
+            probation[protected.popitem(last=False)[0]] = None
+        return True
+    if b in protected:
+        protected.move_to_end(b)
+        return True
+    return False

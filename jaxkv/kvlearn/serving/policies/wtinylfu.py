@@ -26,6 +26,7 @@ from collections import OrderedDict
 
 from jaxkv.kvlearn.cost import CostModel
 from jaxkv.kvlearn.serving.policies.base import BlockPolicy
+from jaxkv.kvlearn.serving.policies.slru import touch_segments
 from jaxkv.kvlearn.traces import MooncakeTrace
 
 SKETCH_SEEDS = (0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D, 0x27D4EB2F)
@@ -113,13 +114,8 @@ class WTinyLFU(BlockPolicy):
             self.sketch.increment(b)
             if b in self.window:
                 self.window.move_to_end(b)
-            elif b in self.probation:
-                del self.probation[b]
-                self.protected[b] = None
-                while len(self.protected) > self.protected_cap:
-                    self.probation[self.protected.popitem(last=False)[0]] = None
-            elif b in self.protected:
-                self.protected.move_to_end(b)
+            else:
+                touch_segments(self.probation, self.protected, b, protected_cap=self.protected_cap)
 
     def prio(self, b, i, j, now):
         return ()
