@@ -36,9 +36,18 @@ selection rule.
   ``CLASSICAL`` (lru, mooncake, lfu, arc, s3fifo, wtinylfu, slru, gdsf, cost_aware) that the
   registry holds; bounds (belady, oracle_static, infinite) and no_cache are reported, never
   used for selection.
-* KVLearn's settings: the grid ``PROTOCOL_GRID`` = retention ∈ {gd, recency} × write_cost ∈
-  {True, False} (the eviction order and the admission rule; every other option at its
-  default, PRP seed 0). The default (gd, True) is listed first.
+* KVLearn's settings: the grid ``PROTOCOL_GRID`` (every other option at its default, PRP seed
+  0; a setting may name its block policy with ``"policy"``, else ``kvlearn``): the block
+  KVLearn with GreedyDual retention with and without the write-cost admission (``gd+write``,
+  the shipped default, listed first; ``gd``), and the expert-learning KVLearn
+  (``kvlearn_experts``, admit all): LeCaR's weights over lru + gd with cost-weighted regret
+  (``experts:lru+gd``), and shadow pools over gd + gdsf + lru (``shadow:gd+gdsf+lru``) and
+  gd + gdsf + lru + lfu (``shadow:gd+gdsf+lru+lfu``). (The first protocol run's grid was
+  retention ∈ {gd, recency} × write_cost; the two recency settings lost every fold's tuning
+  score there and are dropped: with deterministic runs they cannot be chosen over ``gd``.
+  The expert settings were added, and this grid and the rule below fixed, before the second
+  run; the expert variants were developed on the first 2,000 requests of the shipped trace
+  only: ``docs/kvlearn.md``.)
 * Rule for held-out workload W: for each setting g, score(g) = the mean over the four other
   workloads × three pools of KVLearn_g's mean TTFT / the best classical baseline's mean TTFT
   in that cell (the best chosen per cell). Choose the lowest score (ties: grid order). Then
@@ -54,8 +63,8 @@ selection rule.
 Writes protocol.json (every run) and protocol.md (the tables). ``--protocol-report JSON``
 re-renders protocol.md and the summary from a protocol.json without simulating (the "room"
 column, how far the best classical baseline is above the bound, and the win count among cells
-with room were added this way after the first run: a presentation of the same cells; the rule
-is unchanged).
+with room were added this way after the first run, the "every grid setting on every cell"
+table after the second: a presentation of the same runs; the rule is unchanged).
 """
 
 from __future__ import annotations
@@ -101,9 +110,23 @@ BOUNDS = ("belady", "oracle_static", "infinite")
 PROTOCOL_GRID = {
     "gd+write": {"retention": "gd", "write_cost": True},
     "gd": {"retention": "gd", "write_cost": False},
-    "recency+write": {"retention": "recency", "write_cost": True},
-    "recency": {"retention": "recency", "write_cost": False},
+    "experts:lru+gd": {
+        "policy": "kvlearn_experts",
+        "experts": ["lru", "gd"],
+        "cost_weighted": True,
+    },
+    "shadow:gd+gdsf+lru": {
+        "policy": "kvlearn_experts",
+        "experts": ["gd", "gdsf", "lru"],
+        "choice": "shadow",
+    },
+    "shadow:gd+gdsf+lru+lfu": {
+        "policy": "kvlearn_experts",
+        "experts": ["gd", "gdsf", "lru", "lfu"],
+        "choice": "shadow",
+    },
 }
+LEARNED = ("kvlearn", "kvlearn_experts")  # never a baseline; ``kvlearn`` in the tables = chosen
 PROTOCOL_REQUESTS = {"chat": 6000, "agent": 3000, "rag": 6000}
 PROTOCOL_MM = (600, 3)  # MM-Session sessions, seed
 REF_NODES = 24  # the shipped trace's prefill nodes, which set ρ*
@@ -319,7 +342,7 @@ def protocol(cost: CostModel, out: Path, *, scale: float) -> None:
     example = traces_lib.load_mooncake_trace(traces_lib.trace_path(TRACE))
     rho = _busy(example, cost) / REF_NODES
     classical = [c for c in CLASSICAL if c in BLOCK_POLICIES]
-    baselines = [x for x in BLOCK_POLICIES if x != "kvlearn"]
+    baselines = [x for x in BLOCK_POLICIES if x not in LEARNED]
     print(f"registry: {', '.join(BLOCK_POLICIES)}; classical: {', '.join(classical)}")
     print(f"rho* = {rho:.3f}; grid: {', '.join(PROTOCOL_GRID)}", flush=True)
     runs: dict[tuple, dict] = {}
@@ -338,7 +361,7 @@ def protocol(cost: CostModel, out: Path, *, scale: float) -> None:
         for frac in FRACS:
             cfg = engine.ServingConfig(pool_blocks=int(frac * n_blk), prefill_nodes=nodes)
             todo = [(b, b, {}) for b in baselines]
-            todo += [(f"kvlearn:{g}", "kvlearn", kw) for g, kw in PROTOCOL_GRID.items()]
+            todo += [(f"kvlearn:{g}", *_grid_policy(kw)) for g, kw in PROTOCOL_GRID.items()]
             for key, policy, kw in todo:
                 t0 = time.perf_counter()
                 r = _summary(tr, policy, cfg, cost, **kw) | {"wall_s": time.perf_counter() - t0}
@@ -364,9 +387,16 @@ def protocol(cost: CostModel, out: Path, *, scale: float) -> None:
     summary = protocol_summary(folds)
     doc = {"config": meta, "summary": summary, "folds": folds, "runs": table}
     (out / "protocol.json").write_text(json.dumps(doc, indent=2))
-    (out / "protocol.md").write_text(protocol_markdown(folds, meta, summary))
-    print(protocol_markdown(folds, meta, summary))
+    md = protocol_markdown(folds, meta, summary, runs=table)
+    (out / "protocol.md").write_text(md)
+    print(md)
     print(f"wrote {out / 'protocol.json'} and protocol.md ({meta['total_s']:.0f} s)")
+
+
+def _grid_policy(setting: dict) -> tuple[str, dict]:
+    """(block policy, its options) of a ``PROTOCOL_GRID`` setting."""
+    kw = dict(setting)
+    return kw.pop("policy", "kvlearn"), kw
 
 
 def protocol_report(path: Path) -> None:
@@ -374,7 +404,7 @@ def protocol_report(path: Path) -> None:
     doc = json.loads(path.read_text())
     doc["summary"] = protocol_summary(doc["folds"])
     path.write_text(json.dumps(doc, indent=2))
-    md = protocol_markdown(doc["folds"], doc["config"], doc["summary"])
+    md = protocol_markdown(doc["folds"], doc["config"], doc["summary"], runs=doc["runs"])
     (path.parent / "protocol.md").write_text(md)
     print(md)
 
@@ -401,6 +431,7 @@ def protocol_fold(held: str, names: list[str], runs: dict, classical: list[str])
         pol = {
             p: runs[(held, frac, f"kvlearn:{chosen}" if p == "kvlearn" else p)]
             for p in BLOCK_POLICIES
+            if p == "kvlearn" or p not in LEARNED
         }
         kv = pol["kvlearn"]
         best = min(classical, key=lambda c: pol[c]["ttft_ms_mean"])
@@ -466,8 +497,54 @@ def protocol_summary(folds: list[dict]) -> dict:
     }
 
 
-def protocol_markdown(folds: list[dict], meta: dict, summary: dict) -> str:
-    """The protocol's tables: one line per held-out cell, the tuning scores, every policy."""
+def setting_ratios(runs: list[dict], meta: dict) -> dict[str, list[tuple]]:
+    """{setting: [(workload, pool, mean ratio, p99 ratio)]}: every grid setting on every cell
+    against the cell's best classical mean and lowest classical p99 (hindsight: no fold's
+    choice reads its own workload's rows)."""
+    by = {(r["workload"], r["pool_frac"], r["run"]): r for r in runs}
+    out: dict[str, list[tuple]] = {g: [] for g in meta["grid"]}
+    for w in meta["workloads"]:
+        for f in meta["pool_fracs"]:
+            best = min(by[(w, f, c)]["ttft_ms_mean"] for c in meta["classical"])
+            best_p99 = min(by[(w, f, c)]["ttft_ms_p99"] for c in meta["classical"])
+            for g in meta["grid"]:
+                r = by[(w, f, f"kvlearn:{g}")]
+                out[g].append((w, f, r["ttft_ms_mean"] / best, r["ttft_ms_p99"] / best_p99))
+    return out
+
+
+def _settings_markdown(runs: list[dict], meta: dict) -> list[str]:
+    ratios = setting_ratios(runs, meta)
+    cells = next(iter(ratios.values()))
+    lines = [
+        "",
+        "Every grid setting on every cell, for information (hindsight: selection never reads "
+        "the held-out rows). Mean / p99 ratio to the cell's best classical mean / lowest "
+        "classical p99; last columns: cells with a mean ratio above 1 and above 1.01, the worst "
+        "mean and p99 ratios:",
+        "",
+        "| setting | "
+        + " | ".join(f"{w} {f:.0%}" for w, f, _, _ in cells)
+        + " | mean > 1 | mean > 1.01 | worst mean | worst p99 |",
+        "|---|" + "---|" * (len(cells) + 4),
+    ]
+    for g, rs in ratios.items():
+        m = [r[2] for r in rs]
+        p = [r[3] for r in rs]
+        lines.append(
+            f"| {g} | "
+            + " | ".join(f"{a:.3f} / {b:.3f}" for _, _, a, b in rs)
+            + f" | {sum(x > 1 for x in m)} | {sum(x > 1.01 for x in m)} | {max(m):.3f} "
+            f"| {max(p):.3f} |"
+        )
+    return lines
+
+
+def protocol_markdown(
+    folds: list[dict], meta: dict, summary: dict, *, runs: list[dict] | None = None
+) -> str:
+    """The protocol's tables: one line per held-out cell, the tuning scores, (with ``runs``)
+    every grid setting on every cell, every policy."""
     w = meta["workloads"]
     lines = [
         "Leave-one-workload-out protocol (`scripts/bench_kvlearn_serving.py --protocol`; rule in "
@@ -548,6 +625,7 @@ def protocol_markdown(folds: list[dict], meta: dict, summary: dict) -> str:
             + " | ".join(f"{f['hindsight_scores'][g]:.3f}" for g in grid)
             + f" | {f['hindsight_best']} |"
         )
+    lines += _settings_markdown(runs, meta) if runs else []
     lines += ["", "Every policy (mean / p99 TTFT in ms / block hit %):"]
     for f in folds:
         pools = [f"{c['pool_frac']:.0%}" for c in f["cells"]]

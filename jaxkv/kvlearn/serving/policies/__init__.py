@@ -11,6 +11,8 @@
     belady         future knowledge: evict the leaf used again last; admit a block only if it
                    is used again sooner than the victim.
     kvlearn        KVLearn's design at block granularity (``kvlearn.BlockKVLearn``).
+    kvlearn_experts  KVLearn as expert learning (LeCaR/CACHEUS): ghost histories and regret
+                   weights over the leaf orders lru / lfu / gd (``kvlearn_experts.ExpertKVLearn``).
 
 The classical bar (blocks as independent keys, like ``lru``, for the list- and queue-based
 policies, which pick their victims themselves: ``BlockPolicy.selects_victims``; over leaves, like
@@ -38,6 +40,7 @@ from jaxkv.kvlearn.serving.policies.cost_aware import CostAware
 from jaxkv.kvlearn.serving.policies.gdsf import GDSF
 from jaxkv.kvlearn.serving.policies.infinite import Infinite
 from jaxkv.kvlearn.serving.policies.kvlearn import BlockKVLearn
+from jaxkv.kvlearn.serving.policies.kvlearn_experts import ExpertKVLearn
 from jaxkv.kvlearn.serving.policies.lfu import LFU
 from jaxkv.kvlearn.serving.policies.lru import LRUPool
 from jaxkv.kvlearn.serving.policies.mooncake import Mooncake
@@ -48,7 +51,7 @@ from jaxkv.kvlearn.serving.policies.slru import SLRU
 from jaxkv.kvlearn.serving.policies.wtinylfu import WTinyLFU
 from jaxkv.kvlearn.traces import MooncakeTrace
 
-_CLASSES = (NoCache, LRUPool, Mooncake, LFU, OracleStatic, Belady, BlockKVLearn)
+_CLASSES = (NoCache, LRUPool, Mooncake, LFU, OracleStatic, Belady, BlockKVLearn, ExpertKVLearn)
 _CLASSICAL = (ARC, S3FIFO, WTinyLFU, SLRU, GDSF, CostAware, Infinite)
 REGISTRY: dict[str, type[BlockPolicy]] = {cls.name: cls for cls in _CLASSES + _CLASSICAL}
 BLOCK_POLICIES = tuple(REGISTRY)
