@@ -10,6 +10,10 @@ cache into a new capacity (after prefill, when a long prompt is cut to its budge
 ``length[b]`` counts the tokens sequence b has processed: the position of its next token.
 Rows may hold different tokens and different numbers of them (per-head and ``adaptive``
 selection, ``jaxkv.eviction``): C is the most one row can hold, the rest of a row is free.
+
+Besides the per-slot arrays a cache may carry query statistics (``query_stats``), which
+belong to no slot: running sums of every (layer, query head)'s queries and their outer products, for policies
+that model the queries to come (Expected Attention, ``jaxkv.policies.expected``).
 """
 
 from __future__ import annotations
@@ -31,6 +35,16 @@ FREE = -1
 #   vnorm      L2 norm of the value vector
 STAT_NAMES = ("attn", "attn_sq", "attn_cum", "recent", "recent_ent", "vnorm")
 
+# Query statistics: a name a policy lists in its ``stats`` like the per-slot ones, but what it
+# asks for lives in ``KVCache.query_stats`` (not per slot: ``gather`` leaves it alone). Sums
+# over every real query so far at a position >= ``QUERY_SINKS`` (kvpress's ``n_sink``: the
+# first tokens' queries are outliers), of the pre-RoPE query, in float32:
+#   weight [B]                    number of queries summed (the same for every layer and head)
+#   q_sum [L, B, K, G, H]         sum of the queries
+#   q_outer [L, B, K, G, H, H]    sum of their outer products q q^T
+QUERIES = "queries"
+QUERY_SINKS = 4
+
 
 @struct.dataclass
 class KVCache:
@@ -41,10 +55,13 @@ class KVCache:
         v: [L, B, K, C, H] values.
         pos: [L, B, K, C] int32 token position held by each slot, -1 when free.
         stats: per-slot statistics, each [L, B, K, C] (empty: the decoder computes none).
+        query_stats: query moments (``QUERIES``; empty: the decoder computes none).
         length: [B] int32 tokens processed so far per sequence.
         overflow: [] bool, a write found no free slot (set under jit, where raising is
             impossible; the decoder then returns NaN logits).
         window: time constant (in queries) of the ``recent`` statistics (static).
+        rope_theta: the model's RoPE base, which ``query_stats`` (pre-RoPE) need to be
+            compared with the stored (rotated) keys (static).
     """
 
     k: jax.Array
@@ -53,7 +70,9 @@ class KVCache:
     stats: dict
     length: jax.Array
     overflow: jax.Array
+    query_stats: dict = struct.field(default_factory=dict)
     window: int = struct.field(pytree_node=False, default=64)
+    rope_theta: float = struct.field(pytree_node=False, default=10000.0)
 
     @property
     def capacity(self) -> int:
@@ -89,9 +108,9 @@ def init_cache(
         batch_size: sequences.
         capacity: slots per (layer, sequence, KV head).
         dtype: key/value dtype (default: the model's).
-        stats: the attention statistics to carry (names from ``STAT_NAMES``, e.g. a
-            policy's ``stats``), True for all of them, False for none. The decoder computes
-            only the statistics a cache carries.
+        stats: the statistics to carry (names from ``STAT_NAMES`` and ``QUERIES``, e.g. a
+            policy's ``stats``), True for all per-slot ones (``STAT_NAMES``), False for
+            none. The decoder computes only the statistics a cache carries.
         window: time constant of the ``recent`` statistics, in queries.
     """
     if batch_size < 1 or capacity < 1:
@@ -106,21 +125,35 @@ def init_cache(
         k=jnp.zeros((*shape, H), dtype),
         v=jnp.zeros((*shape, H), dtype),
         pos=jnp.full(shape, FREE, jnp.int32),
-        stats={n: jnp.zeros(shape, jnp.float32) for n in names},
+        stats={n: jnp.zeros(shape, jnp.float32) for n in names if n != QUERIES},
         length=jnp.zeros((batch_size,), jnp.int32),
         overflow=jnp.zeros((), bool),
+        query_stats=init_query_stats(config, batch_size) if QUERIES in names else {},
         window=window,
+        rope_theta=float(config.rope_theta),
     )
 
 
+def init_query_stats(config: ModelConfig, batch_size: int) -> dict:
+    """Zero query moments (see ``QUERIES``): ``weight``, ``q_sum``, ``q_outer``."""
+    L, K, G, H = config.n_layers, config.n_kv_heads, config.q_per_kv, config.head_dim
+    return {
+        "weight": jnp.zeros((batch_size,), jnp.float32),
+        "q_sum": jnp.zeros((L, batch_size, K, G, H), jnp.float32),
+        "q_outer": jnp.zeros((L, batch_size, K, G, H, H), jnp.float32),
+    }
+
+
 def stat_names(stats: bool | tuple[str, ...]) -> tuple[str, ...]:
-    """The statistic names that ``init_cache(stats=...)`` means, in ``STAT_NAMES`` order."""
+    """The statistic names that ``init_cache(stats=...)`` means, in ``STAT_NAMES`` order
+    (then ``QUERIES``)."""
     if isinstance(stats, bool):
         return STAT_NAMES if stats else ()
-    unknown = sorted(set(stats) - set(STAT_NAMES))
+    valid = (*STAT_NAMES, QUERIES)
+    unknown = sorted(set(stats) - set(valid))
     if unknown:
-        raise ValueError(f"unknown cache statistics {unknown}; valid: {list(STAT_NAMES)}")
-    return tuple(n for n in STAT_NAMES if n in stats)
+        raise ValueError(f"unknown cache statistics {unknown}; valid: {list(valid)}")
+    return tuple(n for n in valid if n in stats)
 
 
 def _is_concrete(x) -> bool:

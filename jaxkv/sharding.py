@@ -35,6 +35,11 @@ CACHE_AXES = {
     "length": ("batch",),
     "overflow": (),
 }
+QUERY_STAT_AXES = {  # KVCache.query_stats (jaxkv.kvcache.init_query_stats)
+    "weight": ("batch",),
+    "q_sum": ("layers", "batch", "kv_heads", None, None),
+    "q_outer": ("layers", "batch", "kv_heads", None, None, None),
+}
 
 
 def make_mesh(data: int = 1, model: int = 1) -> Mesh:
@@ -47,11 +52,15 @@ def make_mesh(data: int = 1, model: int = 1) -> Mesh:
 
 
 def spec(logical: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
-    """PartitionSpec for one array: the rules table, replicating uneven dimensions."""
+    """PartitionSpec for one array: the rules table, replicating uneven dimensions (and those
+    whose logical axis is None)."""
     if len(logical) != len(shape):
         raise ValueError(f"logical axes {logical} do not match shape {shape}")
     out = []
     for name, dim in zip(logical, shape, strict=True):
+        if name is None:
+            out.append(None)
+            continue
         if name not in RULES:
             raise KeyError(f"no sharding rule for logical axis {name!r}")
         axis = RULES[name]
@@ -81,6 +90,10 @@ def cache_shardings(cache, mesh: Mesh):
         v=one("v", cache.v),
         pos=one("pos", cache.pos),
         stats={n: one("stats", a) for n, a in cache.stats.items()},
+        query_stats={
+            n: NamedSharding(mesh, spec(QUERY_STAT_AXES[n], a.shape, mesh))
+            for n, a in cache.query_stats.items()
+        },
         length=one("length", cache.length),
         overflow=one("overflow", cache.overflow),
     )

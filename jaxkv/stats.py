@@ -13,6 +13,12 @@ query heads of a KV group; ``a_q(i)`` is query q's attention probability on key 
 sums: an exact window would need every query's attention row for w steps (w times the
 memory of the keys); the decay keeps one number per slot and weights the last w queries
 most. See ``jaxkv.kvcache.STAT_NAMES``.
+
+Query moments (``jaxkv.kvcache.QUERIES``) are computed from the pre-RoPE queries: the sums
+``sum_q q`` and ``sum_q q q^T`` per (layer, query head) over every query so far (after the
+first ``QUERY_SINKS`` positions), as kvpress computes mean and covariance over the prompt.
+They are not decayed: a decay would need its own time constant (``window`` belongs to the
+per-slot statistics, and policies that share a cache must agree on it).
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxkv.kvcache import STAT_NAMES
+from jaxkv.kvcache import QUERY_SINKS, STAT_NAMES
 
 # Order of the query-weight channels; channel 3 is the recent weight times the entropy.
 _FINAL, _VALID, _RECENT, _RECENT_ENT = 0, 1, 2, 3
@@ -177,3 +183,33 @@ def features(cache) -> jax.Array:
     pos = pos_BC / jnp.maximum(cache.length[:, None], 1).astype(jnp.float32)
     feats = jnp.stack([alpha, mean_lk(st["vnorm"]), sigma, entropy, pos], axis=-1)
     return jnp.where((pos_BC >= 0)[..., None], feats, 0.0)
+
+
+# ---- query moments (``jaxkv.kvcache.QUERIES``) ----------------------------------------------
+
+
+def query_moment_weights(pos_BT: jax.Array) -> jax.Array:
+    """[B, T] weight of each query in the query moments: 1, or 0 for padding and for
+    positions below ``QUERY_SINKS``."""
+    return (pos_BT >= QUERY_SINKS).astype(jnp.float32)
+
+
+def query_moments(q_BTNH: jax.Array, w_BT: jax.Array, n_kv_heads: int) -> dict:
+    """One pass's weighted sums of pre-RoPE queries and of their outer products.
+
+    Returns:
+        {"q_sum": [B, K, G, H], "q_outer": [B, K, G, H, H]} in float32 (query head
+        n = k * G + g).
+    """
+    B, T, N, H = q_BTNH.shape
+    q = q_BTNH.astype(jnp.float32).reshape(B, T, n_kv_heads, N // n_kv_heads, H)
+    wq = q * w_BT[:, :, None, None, None]
+    return {
+        "q_sum": jnp.sum(wq, axis=1),
+        "q_outer": jnp.einsum("btkgh,btkgi->bkghi", wq, q),
+    }
+
+
+def merge_query_moments(old: dict, new: dict) -> dict:
+    """Moments after a pass: the old sums plus the pass's (``query_moments``)."""
+    return {n: old[n] + x for n, x in new.items()}

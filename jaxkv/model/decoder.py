@@ -32,16 +32,22 @@ PREFILL_BLOCK = 256
 
 def _project_qkv(lp: dict, x_BTD, pos_BT, config: ModelConfig):
     """Returns q [B, K, G, T, H] and k, v [B, K, T, H] (keys and queries rotated)."""
+    return _projections(lp, x_BTD, pos_BT, config)[:3]
+
+
+def _projections(lp: dict, x_BTD, pos_BT, config: ModelConfig):
+    """``_project_qkv``'s q, k, v and the queries before RoPE [B, T, N, H] (for the query
+    moments; unused, they cost nothing)."""
     B, T, _ = x_BTD.shape
     h = layers.rms_norm(x_BTD, lp["attn_norm"], config.norm_eps)
     q = jnp.einsum("btd,dnh->btnh", h, lp["wq"])
     k = jnp.einsum("btd,dkh->btkh", h, lp["wk"])
     v = jnp.einsum("btd,dkh->btkh", h, lp["wv"])
-    q = layers.rope(q, pos_BT, config.rope_theta)
+    q_rot = layers.rope(q, pos_BT, config.rope_theta)
     k = layers.rope(k, pos_BT, config.rope_theta)
     K, G, H = config.n_kv_heads, config.q_per_kv, config.head_dim
-    q_BKGTH = q.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4)
-    return q_BKGTH, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    q_BKGTH = q_rot.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4)
+    return q_BKGTH, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), q
 
 
 def _finish_layer(lp: dict, x_BTD, attn_BKGTH, config: ModelConfig):
@@ -73,19 +79,29 @@ def prompt_positions(tokens_BT: jax.Array, lengths_B: jax.Array | None) -> jax.A
 
 
 def _self_attention_stack(
-    params, tokens_BT, pos_BT, config: ModelConfig, *, stat_window=None, stat_names=()
+    params,
+    tokens_BT,
+    pos_BT,
+    config: ModelConfig,
+    *,
+    stat_window=None,
+    stat_names=(),
+    query_moments=False,
 ):
     """Runs all layers with causal self-attention only.
 
     Returns:
-        Hidden states [B, T, D], new keys and values [L, B, K, T, H], and (with
+        Hidden states [B, T, D], new keys and values [L, B, K, T, H], (with
         ``stat_window``) the statistics ``stat_names`` of the new slots
-        ({name: [L, B, K, T]}), else None.
+        ({name: [L, B, K, T]}), else None, and (with ``query_moments``) the pass's query
+        moments (``jaxkv.stats.query_moments`` stacked over L, and their ``weight`` [B]),
+        else None.
     """
     weights = None if stat_window is None else attn_stats.query_weights(pos_BT, stat_window)
+    q_weights = attn_stats.query_moment_weights(pos_BT) if query_moments else None
 
     def layer(x, lp):
-        q, k, v = _project_qkv(lp, x, pos_BT, config)
+        q, k, v, q_pre = _projections(lp, x, pos_BT, config)
         attn, st = layers.causal_block_attention(
             q,
             k,
@@ -98,12 +114,17 @@ def _self_attention_stack(
         )
         if st is not None and "vnorm" in stat_names:
             st = {**st, "vnorm": attn_stats.value_norms(v)}
-        return _finish_layer(lp, x, attn, config), (k, v, st)
+        qm = None
+        if q_weights is not None:
+            qm = attn_stats.query_moments(q_pre, q_weights, config.n_kv_heads)
+        return _finish_layer(lp, x, attn, config), (k, v, st, qm)
 
-    x, (ks, vs, new_stats) = jax.lax.scan(
+    x, (ks, vs, new_stats, moments) = jax.lax.scan(
         layer, _embed(params, tokens_BT, config), params["layers"]
     )
-    return x, ks, vs, new_stats
+    if moments is not None:
+        moments = {"weight": jnp.sum(q_weights, axis=1), **moments}
+    return x, ks, vs, new_stats, moments
 
 
 def forward(params: dict, tokens_BT: jax.Array, *, config: ModelConfig, lengths_B=None):
@@ -122,7 +143,8 @@ def prefill(
         params: model parameters.
         tokens_BT: prompt tokens, right-padded.
         cache: an empty cache with at least T slots; when it carries statistics they are
-            computed inside attention (``jaxkv.stats``).
+            computed inside attention (``jaxkv.stats``), and its query moments from the
+            pass's queries.
         config: the model config.
         lengths_B: real prompt lengths (default: all T).
 
@@ -133,13 +155,20 @@ def prefill(
         raise ValueError("prefill needs an empty cache; use extend() to add to a filled one")
     kvcache.check_room(cache, tokens_BT.shape[1])
     pos_BT = prompt_positions(tokens_BT, lengths_B)
-    window = cache.window if cache.stats else None
-    x, k_LBKTH, v_LBKTH, new_stats = _self_attention_stack(
-        params, tokens_BT, pos_BT, config, stat_window=window, stat_names=tuple(cache.stats)
+    x, k_LBKTH, v_LBKTH, new_stats, moments = _self_attention_stack(
+        params,
+        tokens_BT,
+        pos_BT,
+        config,
+        stat_window=cache.window if cache.stats else None,
+        stat_names=tuple(cache.stats),
+        query_moments=bool(cache.query_stats),
     )
     last_B = jnp.max(pos_BT, axis=1)
     x_BD = jnp.take_along_axis(x, last_B[:, None, None], axis=1)[:, 0]
     cache = kvcache.fill_empty(cache, k_LBKTH, v_LBKTH, pos_BT, new_stats)
+    if moments is not None:
+        cache = cache.replace(query_stats=moments)
     return _guard(_logits(params, x_BD, config), cache), cache
 
 
@@ -170,7 +199,8 @@ def extend(
     """Appends T tokens per sequence at positions ``cache.length + t``.
 
     When the cache carries statistics, those of the cached slots are updated and those of the
-    new slots computed, from the same attention probabilities.
+    new slots computed, from the same attention probabilities; query moments (when carried)
+    add the new queries'.
 
     Returns:
         Logits [B, T, V] and the cache with the new keys and values appended.
@@ -184,24 +214,35 @@ def extend(
     # Only the accumulating statistics are read back; each layer merges its own slice inside
     # the scan, so every statistic array is streamed once (twice when it accumulates).
     acc = {n: a for n, a in cache.stats.items() if n in attn_stats.ACCUMULATING}
+    q_weights = attn_stats.query_moment_weights(pos_BT) if cache.query_stats else None
+    q_acc = {n: a for n, a in cache.query_stats.items() if n != "weight"}
 
     def layer(x, xs):
-        lp, ck, cv, cpos, acc_l = xs
-        q, k, v = _project_qkv(lp, x, pos_BT, config)
+        lp, ck, cv, cpos, acc_l, q_acc_l = xs
+        q, k, v, q_pre = _projections(lp, x, pos_BT, config)
         attn, p_cache, p_new = _cached_attention(q, k, v, pos_BT, ck, cv, cpos, config)
         x = _finish_layer(lp, x, attn, config)
+        moments = None
+        if q_weights is not None:
+            new_moments = attn_stats.query_moments(q_pre, q_weights, config.n_kv_heads)
+            moments = attn_stats.merge_query_moments(q_acc_l, new_moments)
         if weights is None:
-            return x, (k, v, None, None)
+            return x, (k, v, None, None, moments)
         old, new = attn_stats.contributions((p_cache, p_new), weights, names)
         merged = attn_stats.merge(acc_l, old, n_queries_B=n_queries_B, window=cache.window)
         if "vnorm" in names:
             new["vnorm"] = attn_stats.value_norms(v)
-        return x, (k, v, merged, new)
+        return x, (k, v, merged, new, moments)
 
-    xs = (params["layers"], cache.k, cache.v, cache.pos, acc)
-    x, (ks, vs, merged, new_stats) = jax.lax.scan(layer, _embed(params, tokens_BT, config), xs)
+    xs = (params["layers"], cache.k, cache.v, cache.pos, acc, q_acc)
+    x, (ks, vs, merged, new_stats, moments) = jax.lax.scan(
+        layer, _embed(params, tokens_BT, config), xs
+    )
     if weights is not None:
         cache = cache.replace(stats={**cache.stats, **merged})
+    if q_weights is not None:
+        weight = cache.query_stats["weight"] + jnp.sum(q_weights, axis=1)
+        cache = cache.replace(query_stats={"weight": weight, **moments})
     cache = kvcache.append(cache, ks, vs, pos_BT, new_stats)
     return _guard(_logits(params, x, config), cache), cache
 

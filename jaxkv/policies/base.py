@@ -27,7 +27,8 @@ class Policy:
         init: ``() -> state`` (a pytree, e.g. learned weights; None for heuristics).
         granularities: selection granularities it supports (see ``GRANULARITIES``).
         window: time constant of the cache's ``recent`` statistics it reads.
-        stats: the cache statistics it reads (``jaxkv.kvcache.STAT_NAMES``); the decoder
+        stats: the cache statistics it reads (``jaxkv.kvcache.STAT_NAMES``, and
+            ``jaxkv.kvcache.QUERIES`` for the query moments); the decoder
             computes only these, so a policy that reads none pays nothing for them.
         evicts: False for ``full`` (the engine then keeps everything).
         spec: hashable identity (name and settings): equal specs are the same policy, so
