@@ -12,8 +12,9 @@ Rows may hold different tokens and different numbers of them (per-head and ``ada
 selection, ``jaxkv.eviction``): C is the most one row can hold, the rest of a row is free.
 
 Besides the per-slot arrays a cache may carry query statistics (``query_stats``), which
-belong to no slot: running sums of every (layer, query head)'s queries and their outer products, for policies
-that model the queries to come (Expected Attention, ``jaxkv.policies.expected``).
+belong to no slot: running sums of every (layer, query head)'s queries and of their outer
+products, for policies that model the queries to come (Expected Attention,
+``jaxkv.policies.expected``).
 """
 
 from __future__ import annotations
