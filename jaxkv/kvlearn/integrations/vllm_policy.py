@@ -20,8 +20,9 @@ here are such policies; vLLM loads them by name and module path, with no change 
                         steps over chunks vLLM may not evict (pinned or protected).
     KVLearnCachePolicy  KVLearn at block level (``serving.policies.kvlearn.BlockKVLearn``, the
                         very object the serving simulator runs): the core's PRP MLP on 16 block
-                        features, GreedyDual CARS retention (L + P̂·s_j), the write-cost
-                        admission rule (as eviction order, see the class).
+                        features, GreedyDual CARS retention (L + P̂·s_j); by default the
+                        protocol's ``gd`` setting (``PROTOCOL_SETTING``: no write-cost
+                        admission; with it, as an eviction order, see the class).
 
 What vLLM asks of a policy (its ``CachePolicy`` docstrings) and how these keep it: ``touch``
 receives keys head to tail and the head ends most recent (vLLM's ``lru`` and ``arc`` both walk
@@ -31,8 +32,9 @@ and all adaptive state; ``mark_evictable`` / ``mark_non_evictable`` follow ``ref
 
 Host-side fast path: the per-call work is dictionary and heap operations in Python on the
 scheduler's thread (no device round trip); KVLearn's PRP forward pass runs in numpy once per
-request (``predictors.HostPRP``), and only its training rounds (one jitted optax call per 100
-labels) touch JAX.
+request (``predictors.HostPRP``), and only its training rounds touch JAX: ``DeferredPRP`` holds
+the labels on the host and pushes them in the one jitted call that runs a round (one per 100
+labels, not one per request; the same decisions).
 
 vLLM is imported when this module is imported (its ``CachePolicy`` is the base class here).
 Nothing in jaxkv imports this module (``tests/test_vllm_policy.py`` checks that no jaxkv module
@@ -56,10 +58,17 @@ from jaxkv.kvlearn.serving.policies.arc import ARC
 from jaxkv.kvlearn.serving.policies.base import BlockPolicy
 from jaxkv.kvlearn.serving.policies.kvlearn import BlockKVLearn, BlockKVLearnState
 from jaxkv.kvlearn.serving.policies.lru import LRUPool
+from jaxkv.kvlearn.serving.predictors import _CHUNK, HostPRP
 from jaxkv.kvlearn.traces import BLOCK_TOKENS, MooncakeTrace
 
 _Entry = tuple  # (priority tuple, stamp, key): one heap entry; ``stamp`` makes it unique
 _NO_BLOCKS = np.zeros(0, np.int64)
+
+PROTOCOL_SETTING = {"retention": "gd", "write_cost": False}
+"""KVLearn's hyper-parameters (``BlockKVLearnConfig`` fields) that every fold of issue 15's
+leave-one-workload-out protocol chose (``gd``: GreedyDual retention on P̂·s_j, no write-cost
+admission; ``scripts/bench_kvlearn_serving.py --protocol``). ``KVLearnCachePolicy``'s default:
+vLLM writes every offered chunk anyway, so the write cost could only reorder evictions."""
 
 
 def shape_trace(*, n_blocks: int, max_depth: int, block_tokens: int) -> MooncakeTrace:
@@ -74,6 +83,47 @@ def shape_trace(*, n_blocks: int, max_depth: int, block_tokens: int) -> Mooncake
         n_blocks=n_blocks,
         block_tokens=block_tokens,
     )
+
+
+class DeferredPRP(HostPRP):
+    """``HostPRP`` whose label pushes wait on the host until they would start a training round.
+
+    ``HostPRP.learn`` makes one jitted call (a padded chunk of labels into the PRP's replay
+    ring) per request that closes labels; a training round runs inside the call that brings
+    the labels since the last round to ``train_every``. Only that call changes what the PRP
+    predicts, so this class holds the chunks on the host and pushes them, in order, in that
+    call: the same rows reach the ring in the same order, the round sees the same whitening
+    statistics and the same random key (``step`` counts the chunks ``HostPRP`` would have
+    pushed), and the parameters and P̂ are identical at every request (tested). One call per
+    round instead of one per request; labels held when a run ends are never pushed (no round
+    would have used them).
+    """
+
+    def __init__(self, *, seed: int):
+        super().__init__(seed=seed)
+        self.held: list[tuple[np.ndarray, np.ndarray]] = []
+        self.n_held = 0
+
+    def learn(self, x_BI, y_B):
+        for s in range(0, len(y_B), _CHUNK):  # HostPRP's chunks: one call (step) each
+            self.held.append((x_BI[s : s + _CHUNK], y_B[s : s + _CHUNK]))
+            self.n_held += len(self.held[-1][1])
+            if self.labels_since + self.n_held >= self.cfg.train_every:
+                self._flush()
+
+    def _flush(self) -> None:
+        """Pushes the held chunks; the last one starts the round with ``HostPRP``'s step."""
+        step = self.step + len(self.held)
+        *early, (x, y) = self.held
+        self.held, self.n_held = [], 0
+        if early:
+            ex, ey = (np.concatenate(a) for a in zip(*early, strict=True))
+            if len(ey) + len(y) <= _CHUNK:
+                x, y = np.concatenate([ex, x]), np.concatenate([ey, y])
+            else:  # fewer than ``train_every`` labels: no round, so its step is immaterial
+                super().learn(ex, ey)
+        self.step = step - 1
+        super().learn(x, y)  # one chunk (HostPRP counts its step), the round inside
 
 
 class _HeapCachePolicy(CachePolicy):
@@ -292,12 +342,13 @@ class KVLearnCachePolicy(_BlockPolicyCache):
     with the request's keys head to tail and its hit count (the leading keys it reused) —
     label windows, the adaptive horizon, features, the PRP's training and P̂; then the
     GreedyDual CARS priority L + P̂·s_j of every resident key of the request (``prio``), the
-    write-cost admission of the keys the request stored (``gate``), and L raised to each
-    victim's priority (``on_evict``).
+    admission rule of the keys the request stored (``gate``: with ``write_cost``, the default
+    ``PROTOCOL_SETTING`` has none), and L raised to each victim's priority (``on_evict``).
 
     What differs from the simulator: (1) vLLM's manager writes every offered chunk (a policy
-    cannot refuse an ``insert``), so a chunk KVLearn would not admit is kept in a lower tier
-    that is evicted before every admitted chunk (the bytes are moved all the same); (2) vLLM's
+    cannot refuse an ``insert``), so (with ``write_cost``) a chunk KVLearn would not admit is
+    kept in a lower tier that is evicted before every admitted chunk (the bytes are moved all
+    the same); (2) vLLM's
     pool has no prefix tree, so a key's priority is raised to the largest of the keys behind it
     in its request (``_price``: the simulator evicts only leaves); (3) the per-request step runs
     when the request finishes, after its stores, where the simulator runs it at lookup; until
@@ -306,17 +357,21 @@ class KVLearnCachePolicy(_BlockPolicyCache):
 
     Configuration (vLLM builds a policy from ``cache_capacity`` alone): the class attributes
     ``cost_preset``, ``block_tokens``, ``max_depth``, ``hparams`` (``BlockKVLearnConfig``
-    fields), or the environment variables ``JAXKV_KVLEARN_COST`` and
-    ``JAXKV_KVLEARN_BLOCK_TOKENS``; a subclass in the user's module changes the rest.
+    fields; ``PROTOCOL_SETTING`` unless a subclass says otherwise), or the environment
+    variables ``JAXKV_KVLEARN_COST`` and ``JAXKV_KVLEARN_BLOCK_TOKENS``; a subclass in the
+    user's module changes the rest.
     """
 
     cost_preset: str = "llama3-8b-a100"
     max_depth: int = 1 << 14
     """Deepest block priced (``s_j``); deeper keys are priced as this depth, and a request
     longer than this many blocks is seen by the PRP as its first ``max_depth`` blocks."""
-    hparams: dict = {}
+    hparams: dict = PROTOCOL_SETTING
+    """``BlockKVLearnConfig`` fields (copied at construction)."""
     initial_ids: int = 1 << 12
     """Block ids the state is first sized for; it doubles when they run out."""
+    defer_labels: bool = True
+    """Push the PRP's labels once per training round (``DeferredPRP``; same decisions)."""
 
     def __init__(self, cache_capacity: int):
         self.block_tokens = int(os.environ.get("JAXKV_KVLEARN_BLOCK_TOKENS", self.block_tokens))
@@ -328,6 +383,8 @@ class KVLearnCachePolicy(_BlockPolicyCache):
             n_blocks=self.initial_ids, max_depth=self.max_depth, block_tokens=self.block_tokens
         )
         pol = BlockKVLearn(shape, self.cost, pool_blocks=self.cache_capacity, **self.hparams)
+        if self.defer_labels and isinstance(pol.pred, HostPRP):
+            pol.pred = DeferredPRP(seed=pol.cfg.seed)
         pol.attach(self)  # reads ``capacity`` and ``evictions``, as of its PrefixCache
         return pol
 

@@ -201,6 +201,13 @@ def _handle(mgr, trace, live, event, rec, counts) -> None:
     mgr.on_request_finished(req.ctx)
 
 
+def hit_saving_ms(rec: dict[str, np.ndarray], *, cost: CostModel) -> np.ndarray:
+    """[R] what each request's hits saved by the cost model, queueing aside: R(c) − T(c) for c
+    hit tokens (the recompute the hits replace, less loading them), in ms."""
+    c = rec["hit_tokens"].astype(np.float64)
+    return np.asarray(cost.recompute_ms(c) - cost.transfer_ms(cost.footprint_bytes(c)))
+
+
 def run(
     trace: MooncakeTrace,
     policies,
@@ -208,14 +215,16 @@ def run(
     cfg: ServingConfig,
     cost: CostModel,
 ) -> list[dict]:
-    """One ``metrics.summarize`` row per policy (plus ``evict_calls``, ``failed_stores`` and
-    ``wall_s``) for ``trace`` replayed through vLLM's manager."""
+    """One ``metrics.summarize`` row per policy (plus ``evict_calls``, ``failed_stores``,
+    ``hit_saving_ms_mean`` (``hit_saving_ms``) and ``wall_s``) for ``trace`` replayed through
+    vLLM's manager."""
     rows = []
     for name in policies:
         t0 = time.perf_counter()
         rec = replay(trace, name, cfg=cfg, cost=cost)
         row = summarize(name, rec, cost=cost, cfg=cfg)
         row |= {k: int(rec[k]) for k in ("evict_calls", "failed_stores")}
+        row["hit_saving_ms_mean"] = float(hit_saving_ms(rec, cost=cost).mean())
         rows.append(row | {"wall_s": time.perf_counter() - t0})
     return rows
 
