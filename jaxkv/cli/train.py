@@ -2,6 +2,7 @@
 
 Subcommands:
     distillcache  train the DistillCache eviction policy (REINFORCE, teacher/student caches)
+    ranker        train the per-head eviction ranker by supervision (no RL; ranker:<path>)
     kvlearn       pre-train KVLearn's reuse predictor offline on a trace
 """
 
@@ -11,12 +12,18 @@ import argparse
 import sys
 from pathlib import Path
 
+from jaxkv.cli import flags
 from jaxkv.cli.kvlearn import train_main as kvlearn_main
+from jaxkv.cli.suite import check_out_dir, new_run_dir
+from jaxkv.evals.runner import load_eval_model, parse_ratios
 from jaxkv.rl import loop
+from jaxkv.rl import ranker as ranker_lib
 from jaxkv.rl.config import TrainConfig
+from jaxkv.rl.data import DOMAINS, HELDOUT_DOMAIN
 
 USAGE = (
-    "usage: python -m jaxkv.train {distillcache,kvlearn} [options]  (add --help after a subcommand)"
+    "usage: python -m jaxkv.train {distillcache,ranker,kvlearn} [options]  "
+    "(add --help after a subcommand)"
 )
 
 
@@ -51,7 +58,73 @@ def distillcache_main(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"distillcache": distillcache_main, "kvlearn": kvlearn_main}
+def ranker_parser() -> argparse.ArgumentParser:
+    d = ranker_lib.RankerConfig()
+    ap = argparse.ArgumentParser(
+        prog="python -m jaxkv.train ranker",
+        description="Train the per-head eviction ranker to predict the attention future "
+        "queries give each cached token under the full cache (supervised, no RL).",
+    )
+    ap.add_argument("--model", default="smollm2-135m", help="smollm2-135m, a path, or 'tiny'")
+    ap.add_argument("--out", default=None, help="checkpoint folder (default: runs/ranker-<time>)")
+    ap.add_argument(
+        "--domains",
+        default=",".join(d.domains),
+        help=f"comma list of training domains from {DOMAINS} (default: all but the held-out "
+        f"{HELDOUT_DOMAIN!r})",
+    )
+    ap.add_argument("--windows-per-domain", type=flags.positive_int, default=d.windows_per_domain)
+    ap.add_argument("--steps", type=flags.positive_int, default=d.steps)
+    ap.add_argument("--hidden", type=flags.positive_int, default=d.hidden)
+    ap.add_argument("--seed", type=flags.seed, default=d.seed)
+    ap.add_argument(
+        "--sinks", type=flags.nonnegative_int, default=d.sinks, help="first positions always kept"
+    )
+    ap.add_argument(
+        "--recent-fraction",
+        type=flags.float_range(0.0, 1.0, lo_open=False, hi_open=False),
+        default=d.recent_fraction,
+        help="share of the budget always given to the newest tokens",
+    )
+    ap.add_argument(
+        "--pruned-ratios",
+        default="",
+        help="comma list of r: also learn from caches H2O pruned to r (the decode protocol's)",
+    )
+    return ap
+
+
+def ranker_main(argv: list[str]) -> int:
+    """``python -m jaxkv.train ranker ...``: parses flags, then ``ranker.train``."""
+    args = ranker_parser().parse_args(argv)
+    try:
+        domains = tuple(x.strip() for x in args.domains.split(",") if x.strip())
+        unknown = [x for x in domains if x not in DOMAINS]
+        if unknown or not domains:
+            raise ValueError(f"--domains: unknown {unknown}; choose from {DOMAINS}")
+        cfg = ranker_lib.RankerConfig(
+            domains=domains,
+            windows_per_domain=args.windows_per_domain,
+            steps=args.steps,
+            hidden=args.hidden,
+            seed=args.seed,
+            sinks=args.sinks,
+            recent_fraction=args.recent_fraction,
+            pruned_ratios=tuple(parse_ratios(args.pruned_ratios)) if args.pruned_ratios else (),
+        )
+        out = check_out_dir(args.out) if args.out else new_run_dir("ranker")
+        model = load_eval_model(args.model)
+        path = ranker_lib.train(model, cfg, out)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    print(f"ranker saved to {path}  (use it as --policies ranker:{path})")
+    return 0
+
+
+COMMANDS = {"distillcache": distillcache_main, "ranker": ranker_main, "kvlearn": kvlearn_main}
 
 
 def main(argv: list[str] | None = None) -> int:

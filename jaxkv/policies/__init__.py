@@ -1,9 +1,11 @@
 """Token-eviction policies behind one interface, and their one registry.
 
 ``get_policy(name, **settings)`` builds a ``Policy`` by name: ``full``, ``random``,
-``streaming_llm``, ``h2o``, ``snapkv``, ``tova``, ``keydiff``, ``knorm``, ``oracle`` (the
+``streaming_llm``, ``h2o``, ``snapkv``, ``tova``, ``keydiff``, ``knorm``,
+``expected_attention`` (Expected Attention: ``jaxkv.policies.expected``), ``oracle`` (the
 future-attention upper bound, fidelity only: ``jaxkv.policies.oracle``),
-``critical:<policy>`` (CriticalKV over any other policy: ``jaxkv.policies.critical``), or
+``critical:<policy>`` (CriticalKV over any other policy: ``jaxkv.policies.critical``),
+``ranker:<checkpoint>`` (the supervised per-head ranker: ``jaxkv.policies.ranker``), or
 ``learned:<checkpoint>`` (a folder written by ``python -m jaxkv.train distillcache``, or the
 name of a checkpoint shipped in ``jaxkv/checkpoints/``, e.g. ``learned:distillcache_smollm2_cpu``).
 
@@ -15,11 +17,12 @@ import dataclasses
 import functools
 from collections.abc import Callable
 
-from jaxkv.policies import critical, heuristics, learned, oracle
+from jaxkv.policies import critical, expected, heuristics, learned, oracle, ranker
 from jaxkv.policies.base import GRANULARITIES, TIER, Policy
 
 LEARNED_PREFIX = "learned:"
 CRITICAL_PREFIX = critical.PREFIX
+RANKER_PREFIX = ranker.PREFIX
 
 _REGISTRY: dict[str, Callable[..., Policy]] = {
     "full": heuristics.full,
@@ -30,6 +33,7 @@ _REGISTRY: dict[str, Callable[..., Policy]] = {
     "tova": heuristics.tova,
     "keydiff": heuristics.keydiff,
     "knorm": heuristics.knorm,
+    expected.NAME: expected.expected_attention,
     oracle.NAME: oracle.oracle,
 }
 
@@ -37,7 +41,11 @@ _REGISTRY: dict[str, Callable[..., Policy]] = {
 def policy_names() -> list[str]:
     """Every name ``get_policy`` accepts (``learned:<checkpoint>`` and ``critical:<policy>``
     stand for families)."""
-    return sorted(_REGISTRY) + [CRITICAL_PREFIX + "<policy>", LEARNED_PREFIX + "<checkpoint>"]
+    return sorted(_REGISTRY) + [
+        CRITICAL_PREFIX + "<policy>",
+        LEARNED_PREFIX + "<checkpoint>",
+        RANKER_PREFIX + "<checkpoint>",
+    ]
 
 
 def get_policy(name: str, **settings) -> Policy:
@@ -57,6 +65,8 @@ def get_policy(name: str, **settings) -> Policy:
         return critical.critical(get_policy(inner), **settings)
     if name.startswith(LEARNED_PREFIX):
         return learned.load_learned(name.removeprefix(LEARNED_PREFIX), **settings)
+    if name.startswith(RANKER_PREFIX):
+        return ranker.load_ranker(name.removeprefix(RANKER_PREFIX), **settings)
     if name not in _REGISTRY:
         raise ValueError(f"unknown policy {name!r}; choose one of {policy_names()}")
     return _REGISTRY[name](**settings)
@@ -80,6 +90,7 @@ def needs_future(policy: Policy) -> bool:
 __all__ = [
     "CRITICAL_PREFIX",
     "GRANULARITIES",
+    "RANKER_PREFIX",
     "TIER",
     "Policy",
     "get_policy",

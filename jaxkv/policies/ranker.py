@@ -1,0 +1,187 @@
+"""``ranker:<path>``: a supervised per-head eviction ranker (DistillCache's Table 10 ablation,
+per (layer, KV head)).
+
+A small MLP scores every cached token of every (layer, KV head) row from that row's own
+features (``head_features``); it is trained without RL to rank tokens by the attention the
+queries still to come give them under the full cache (the ``oracle``'s quantity), on text
+of several domains (``jaxkv.rl.ranker``). One network is shared by all rows; the layer enters
+as a feature (its depth in [0, 1]), so a checkpoint does not depend on the model's shape.
+
+Scores are per row, so every granularity works: ``head`` keeps each row's top B, ``layer`` and
+``shared`` average a row's scores over the heads (and layers) they share. The scores are
+log-odds of a row's future attention and so comparable across the heads of a layer, as
+``adaptive`` (AdaKV) needs.
+
+A ranker checkpoint is a ``jaxkv.checkpoint`` directory whose meta file is ``ranker.json``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxkv import checkpoint as checkpoint_lib
+from jaxkv.kvcache import KVCache
+from jaxkv.policies.base import TIER, Policy
+from jaxkv.policies.learned import checkpoint_path
+
+PREFIX = "ranker:"
+META = "ranker.json"
+KIND = "distillcache-ranker"
+HIDDEN = 32
+FEATURES = (
+    "log_attn",  # the latest pass's final query's mass (mean over the KV group)
+    "log_attn_var",  # its variance over the group's query heads
+    "log_attn_cum",  # mass summed over every query so far (H2O)
+    "log_attn_mean",  # attn_cum over the number of queries that saw the token
+    "log_recent",  # decayed sum over recent queries (SnapKV-like)
+    "entropy",  # mean attention entropy of the recent queries that attended to it
+    "log_vnorm",  # value norm
+    "log_age",  # log(1 + tokens processed since it)
+    "log_pos",  # log(1 + position): sinks sit at 0
+    "pos_frac",  # position over tokens processed
+    "depth",  # layer index over L - 1
+    "z_attn_cum",  # log_attn_cum standardized over the row's tokens
+    "z_recent",  # log_recent standardized over the row's tokens
+)
+STATS = ("attn", "attn_sq", "attn_cum", "recent", "recent_ent", "vnorm")
+_EPS = 1e-6
+
+
+def _log(x: jax.Array) -> jax.Array:
+    return jnp.log(jnp.maximum(x, 0.0) + _EPS)
+
+
+def _row_z(x_LBKC: jax.Array, valid_LBKC: jax.Array) -> jax.Array:
+    w = valid_LBKC.astype(jnp.float32)
+    n = jnp.maximum(jnp.sum(w, axis=-1, keepdims=True), 1.0)
+    mean = jnp.sum(x_LBKC * w, axis=-1, keepdims=True) / n
+    var = jnp.sum(((x_LBKC - mean) * w) ** 2, axis=-1, keepdims=True) / n
+    return (x_LBKC - mean) * jax.lax.rsqrt(var + 1e-6)
+
+
+def head_features(cache: KVCache) -> jax.Array:
+    """Per-row features of every slot, [L, B, K, C, F] in ``FEATURES`` order (0 on free slots),
+    from a cache carrying ``STATS``."""
+    st = cache.stats
+    valid = cache.valid
+    L = cache.pos.shape[0]
+    length = cache.length[None, :, None, None].astype(jnp.float32)
+    pos = cache.pos.astype(jnp.float32)
+    seen = jnp.maximum(length - pos, 1.0)  # queries that saw the token (itself included)
+    recent = jnp.maximum(st["recent"], 0.0)
+    entropy = jnp.where(recent > 0, st["recent_ent"] / jnp.maximum(recent, 1e-30), 0.0)
+    log_cum, log_recent = _log(st["attn_cum"]), _log(recent)
+    depth = jnp.arange(L, dtype=jnp.float32) / max(L - 1, 1)
+    cols = [
+        _log(st["attn"]),
+        _log(st["attn_sq"] - st["attn"] ** 2),
+        log_cum,
+        _log(st["attn_cum"] / seen),
+        log_recent,
+        entropy,
+        _log(st["vnorm"]),
+        jnp.log(seen),
+        jnp.log1p(jnp.maximum(pos, 0.0)),
+        pos / jnp.maximum(length, 1.0),
+        jnp.broadcast_to(depth[:, None, None, None], pos.shape),
+        _row_z(log_cum, valid),
+        _row_z(log_recent, valid),
+    ]
+    feats = jnp.stack(cols, axis=-1)
+    return jnp.where(valid[..., None], feats, 0.0)
+
+
+class RankMLP(nn.Module):
+    """Score from standardized features [..., F] -> [...]."""
+
+    hidden: int = HIDDEN
+
+    @nn.compact
+    def __call__(self, x):
+        for _ in range(2):
+            x = nn.relu(nn.Dense(self.hidden)(x))
+        return nn.Dense(1)(x)[..., 0]
+
+
+def init_params(*, key: jax.Array, hidden: int = HIDDEN) -> dict:
+    """Fresh parameters: the MLP's and the feature standardization (mean 0, scale 1)."""
+    n = len(FEATURES)
+    mlp = RankMLP(hidden).init(key, jnp.zeros((1, n)))["params"]
+    return {"mlp": mlp, "mean": jnp.zeros((n,)), "scale": jnp.ones((n,))}
+
+
+def scores_from_features(params: dict, feats: jax.Array, valid: jax.Array) -> jax.Array:
+    """Scores [...] of features [..., F]; invalid slots get -inf."""
+    hidden = params["mlp"]["Dense_0"]["kernel"].shape[-1]
+    x = (feats - params["mean"]) / params["scale"]
+    s = RankMLP(hidden).apply({"params": params["mlp"]}, x)
+    return jnp.where(valid, s, -jnp.inf)
+
+
+def ranker_policy(
+    params: dict,
+    *,
+    recent_fraction: float = 0.0,
+    sinks: int = 0,
+    name: str = "ranker",
+    spec: tuple = (),
+) -> Policy:
+    """A Policy scoring every (layer, KV head) row with the ranker ``params``. Always kept:
+    the first ``sinks`` positions (attention sinks) and the newest
+    ``floor(recent_fraction * B)`` tokens of each sequence (as H2O's window)."""
+    if not 0 <= recent_fraction <= 1:
+        raise ValueError(f"recent_fraction must be in [0, 1], got {recent_fraction}")
+
+    def score(state, cache, *, budget_B, **_):
+        s = scores_from_features(state, head_features(cache), cache.valid)
+        n_recent = jnp.floor(recent_fraction * budget_B).astype(jnp.int32)
+        recent = cache.pos >= (cache.length - n_recent)[None, :, None, None]
+        kept = cache.valid & (recent | (cache.pos < sinks))
+        return jnp.where(kept, TIER + jax.nn.sigmoid(s), s)
+
+    spec = (*spec, ("recent_fraction", recent_fraction), ("sinks", sinks))
+    return Policy(name=name, score=score, init=lambda: params, stats=STATS, spec=spec)
+
+
+def save_ranker(path: str | Path, params: dict, meta: dict[str, Any]) -> Path:
+    """Writes a ranker checkpoint (atomically replacing one at ``path``)."""
+    hidden = params["mlp"]["Dense_0"]["kernel"].shape[-1]
+    meta = {"kind": KIND, "hidden": hidden, "features": list(FEATURES), **meta}
+    return checkpoint_lib.save(path, params, meta, meta_name=META)
+
+
+def load_ranker_params(path: str | Path) -> tuple[dict, dict]:
+    """Reads and verifies a ranker checkpoint: (params, meta).
+
+    Raises:
+        jaxkv.checkpoint.CheckpointError: no ranker checkpoint there, a damaged one, or one
+            trained on other features (one line naming ``path``).
+    """
+    path = Path(path).absolute()
+    try:
+        meta = checkpoint_lib.read_meta(path, meta_name=META)
+        hidden = meta.get("hidden")
+        if meta.get("kind") != KIND or type(hidden) is not int or hidden < 1:
+            raise checkpoint_lib.CheckpointError(path, f"{META} does not describe a ranker")
+        if meta.get("features") != list(FEATURES):
+            raise checkpoint_lib.CheckpointError(
+                path, f"trained on features {meta.get('features')}, this jaxkv has {FEATURES}"
+            )
+        abstract = jax.eval_shape(lambda: init_params(key=jax.random.key(0), hidden=hidden))
+        return checkpoint_lib.restore(path, abstract, meta_name=META)
+    except checkpoint_lib.CheckpointError as e:
+        raise checkpoint_lib.CheckpointError(e.path, e.reason, what="ranker") from None
+
+
+def load_ranker(path: str, **settings) -> Policy:
+    """``ranker:<path>``: the ranker saved at ``path`` (or shipped under that name), with the
+    ``recent_fraction`` and ``sinks`` it was saved with unless ``settings`` give them."""
+    params, meta = load_ranker_params(checkpoint_path(path))
+    saved = {k: meta[k] for k in ("recent_fraction", "sinks") if k in meta}
+    settings = {**saved, **settings}
+    return ranker_policy(params, name=f"{PREFIX}{path}", spec=(("path", str(path)),), **settings)

@@ -1,0 +1,297 @@
+"""Supervised training of the per-head ranker (``jaxkv.policies.ranker``): no RL.
+
+Data. Windows of ``window`` tokens are drawn from the text of the training domains
+(``jaxkv.rl.data.TRAIN_DOMAINS``; the held-out domain is never read). Each window runs through
+the model with a full cache: a prefill of ``points[0]`` tokens, then ``extend`` passes of
+``chunk`` tokens. At each point P (tokens processed) the cache's per-row features are recorded
+(``head_features``), and the target of every cached token is the attention that the next
+``horizon`` queries give it under the full cache: ``attn_cum`` after P + horizon tokens minus
+``attn_cum`` after P (``attn_cum`` sums every query's mass, mean over the KV group, so the
+difference is exactly the oracle's future attention over that horizon). The compress-once
+protocol compresses at such a point.
+
+The decode protocol evicts from caches already pruned, whose statistics differ (attention
+renormalizes over fewer tokens). For each ratio in ``pruned_ratios`` (none by default) a cache
+runs the same chunks but is compressed by H2O per head to ``max(r * N, min_budget)`` tokens
+after the prefill and after every chunk; its rows at each point are recorded too, each kept
+token with the full cache's future attention at its position as the target.
+
+Loss. ListNet per (point, window, layer, KV head) row: the cross-entropy between the row's
+target distribution (future attention normalized over the row) and the softmax of its scores,
+so the scores are log-odds of future attention.
+
+Windows are split once per domain: the first ``1 - val_fraction`` of each domain's text trains,
+the rest validates (reported as loss and as the share of the oracle's kept mass that the
+ranker's top-B keeps at r = 0.25, beside H2O's accumulated attention on the same rows).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from tqdm import tqdm
+
+from jaxkv import eviction, kvcache
+from jaxkv.evals.tasks import token_ids
+from jaxkv.model.decoder import extend, prefill
+from jaxkv.policies import get_policy
+from jaxkv.policies import ranker as ranker_lib
+from jaxkv.rl.data import TRAIN_DOMAINS, domain_text
+
+
+@dataclasses.dataclass(frozen=True)
+class RankerConfig:
+    """Settings of ``train`` (the defaults are those of the shipped ranker)."""
+
+    domains: tuple[str, ...] = TRAIN_DOMAINS
+    windows_per_domain: int = 48
+    window: int = 768
+    points: tuple[int, ...] = (128, 256, 384, 512, 640)
+    chunk: int = 64
+    horizon: int = 128
+    pruned_ratios: tuple[float, ...] = ()
+    min_budget: int = 32
+    row_fraction: float = 0.34
+    val_fraction: float = 0.1
+    hidden: int = ranker_lib.HIDDEN
+    steps: int = 3000
+    rows_per_step: int = 256
+    lr: float = 3e-3
+    seed: int = 0
+    batch: int = 4
+    recent_fraction: float = 0.0  # saved with the ranker: see ranker.ranker_policy
+    sinks: int = 0
+
+    def __post_init__(self):
+        if not all(0 < p and p + self.horizon <= self.window for p in self.points):
+            raise ValueError(f"every point + horizon must fit in the window: {self}")
+        if any((p - self.points[0]) % self.chunk for p in self.points) or (
+            self.horizon % self.chunk
+        ):
+            raise ValueError("points and horizon must lie on the chunk grid")
+
+
+@dataclasses.dataclass
+class RowSet:
+    """Rows of one point P: features [R, P, F] (float16), targets [R, P] (float32)."""
+
+    point: int
+    feats: np.ndarray
+    target: np.ndarray
+
+
+def domain_windows(tokenizer, cfg: RankerConfig, *, split: str) -> dict[str, np.ndarray]:
+    """[n, window] token windows per domain, from its train or validation part (seeded)."""
+    out = {}
+    chat = tokenizer if hasattr(tokenizer, "apply_chat_template") else None
+    for i, domain in enumerate(cfg.domains):
+        ids = np.asarray(token_ids(tokenizer, domain_text(domain, tokenizer=chat)), np.int32)
+        cut = int(ids.size * (1 - cfg.val_fraction))
+        part = ids[:cut] if split == "train" else ids[cut:]
+        n = cfg.windows_per_domain if split == "train" else max(cfg.windows_per_domain // 8, 2)
+        rng = np.random.default_rng([cfg.seed, i, split == "train"])
+        starts = rng.integers(0, part.size - cfg.window, size=n)
+        out[domain] = np.stack([part[s : s + cfg.window] for s in starts])
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=("config", "capacity", "n"))
+def _prefill(params, tokens, *, config, capacity, n):
+    cache = kvcache.init_cache(
+        config, batch_size=tokens.shape[0], capacity=capacity, stats=ranker_lib.STATS
+    )
+    return prefill(params, tokens[:, :n], cache, config=config)[1]
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _extend(params, tokens, cache, *, config):
+    return extend(params, tokens, cache, config=config)[1]
+
+
+def _rows(cache, future_LBKT):
+    """Features [L, B, K, m, F] and targets [L, B, K, m] of the m valid slots of every row
+    (every row holds the same number), the targets read at each slot's position."""
+    return _rows_jit(cache, future_LBKT, m=int(jnp.sum(cache.valid[0, 0, 0])))
+
+
+@functools.partial(jax.jit, static_argnames=("m",))
+def _rows_jit(cache, future_LBKT, *, m):
+    order = jnp.argsort(~cache.valid, axis=-1, stable=True)[..., :m]
+    feats = jnp.take_along_axis(ranker_lib.head_features(cache), order[..., None], axis=3)
+    pos = jnp.take_along_axis(cache.pos, order, axis=-1)
+    return feats, jnp.take_along_axis(future_LBKT, pos, axis=-1)
+
+
+def _h2o(ratio: float, min_budget: int) -> eviction.Compression:
+    return eviction.Compression(
+        get_policy("h2o"), ratio=ratio, min_budget=min_budget, granularity="head"
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("compression",))
+def _evict(cache, compression):
+    return eviction.evict(cache, compression, None, key=jax.random.key(0))
+
+
+def collect(params, config, windows: np.ndarray, cfg: RankerConfig, *, rng) -> list[RowSet]:
+    """Feature and target rows of every point of ``windows`` [n, window] (module docstring):
+    one RowSet per point for the full cache, then one per (point, pruned ratio)."""
+    kinds = [None, *cfg.pruned_ratios]
+    feats = {(k, p): [] for k in kinds for p in cfg.points}
+    target = {(k, p): [] for k in kinds for p in cfg.points}
+    for b in tqdm(range(0, len(windows), cfg.batch), desc="ranker data", leave=False):
+        tokens = jnp.asarray(windows[b : b + cfg.batch], jnp.int32)
+        caches = {
+            k: _prefill(params, tokens, config=config, capacity=cfg.window, n=cfg.points[0])
+            for k in kinds
+        }
+        states = {k: {} for k in kinds}  # kind -> point -> cache at that point
+        cum = {cfg.points[0]: caches[None].stats["attn_cum"]}
+        n = cfg.points[0]
+        while n < max(cfg.points) + cfg.horizon:
+            for k in kinds:
+                if n in cfg.points:
+                    states[k][n] = caches[k]
+                if k is not None:
+                    caches[k] = _evict(caches[k], _h2o(k, cfg.min_budget))
+                caches[k] = _extend(params, tokens[:, n : n + cfg.chunk], caches[k], config=config)
+            n += cfg.chunk
+            cum[n] = caches[None].stats["attn_cum"]
+        for p in cfg.points:
+            future = cum[p + cfg.horizon] - cum[p]
+            for k in kinds:
+                f, t = (np.asarray(x) for x in _rows(states[k][p], future))
+                f = f.reshape(-1, f.shape[-2], f.shape[-1]).astype(np.float16)
+                t = t.reshape(-1, t.shape[-1])
+                keep = rng.random(len(t)) < cfg.row_fraction
+                feats[k, p].append(f[keep])
+                target[k, p].append(t[keep])
+    return [
+        RowSet(p, np.concatenate(feats[k, p]), np.concatenate(target[k, p]))
+        for k in kinds
+        for p in cfg.points
+    ]
+
+
+def listnet(scores: jax.Array, target: jax.Array) -> jax.Array:
+    """Mean over rows [..., C] of the cross-entropy between the target's distribution over the
+    row and the softmax of the scores (minimal, the target's entropy, at scores = log target)."""
+    t = target / jnp.maximum(jnp.sum(target, axis=-1, keepdims=True), 1e-12)
+    return -jnp.mean(jnp.sum(t * jax.nn.log_softmax(scores, axis=-1), axis=-1))
+
+
+def listnet_loss(params, feats, target):
+    """``listnet`` of the ranker's scores of feature rows [R, C, F]."""
+    valid = jnp.ones(feats.shape[:-1], bool)
+    scores = ranker_lib.scores_from_features(params, feats.astype(jnp.float32), valid)
+    return listnet(scores, target)
+
+
+def kept_mass(scores: np.ndarray, target: np.ndarray, ratio: float) -> float:
+    """Mean over rows of the future mass a top-B by ``scores`` keeps, over the oracle's top-B."""
+    B = max(int(ratio * scores.shape[-1]), 1)
+    top = np.argpartition(-scores, B - 1, axis=-1)[:, :B]
+    best = -np.partition(-target, B - 1, axis=-1)[:, :B]
+    got = np.take_along_axis(target, top, axis=-1).sum(-1)
+    return float(np.mean(got / np.maximum(best.sum(-1), 1e-12)))
+
+
+def standardization(sets: list[RowSet]) -> tuple[np.ndarray, np.ndarray]:
+    """Mean and scale of every feature over all training entries."""
+    x = np.concatenate([s.feats.reshape(-1, s.feats.shape[-1]) for s in sets]).astype(np.float64)
+    return x.mean(0).astype(np.float32), np.maximum(x.std(0), 1e-3).astype(np.float32)
+
+
+def fit(sets: list[RowSet], cfg: RankerConfig, *, log=None) -> dict:
+    """Trains the ranker on ``sets`` with Adam; returns its params."""
+    key = jax.random.key(cfg.seed)
+    params = ranker_lib.init_params(key=key, hidden=cfg.hidden)
+    mean, scale = standardization(sets)
+    params = {**params, "mean": jnp.asarray(mean), "scale": jnp.asarray(scale)}
+    opt = optax.adam(optax.cosine_decay_schedule(cfg.lr, cfg.steps))
+    opt_state = opt.init(params["mlp"])
+
+    @jax.jit
+    def step(params, opt_state, feats, target):
+        def loss_fn(mlp):
+            return listnet_loss({**params, "mlp": mlp}, feats, target)
+
+        loss, grads = jax.value_and_grad(loss_fn)(params["mlp"])
+        updates, opt_state = opt.update(grads, opt_state)
+        return {**params, "mlp": optax.apply_updates(params["mlp"], updates)}, opt_state, loss
+
+    rng = np.random.default_rng(cfg.seed)
+    bar = tqdm(range(cfg.steps), desc="ranker fit")
+    for i in bar:
+        s = sets[i % len(sets)]
+        idx = rng.integers(0, len(s.target), size=cfg.rows_per_step)
+        params, opt_state, loss = step(params, opt_state, s.feats[idx], s.target[idx])
+        if i % 100 == 0:
+            bar.set_postfix(loss=f"{float(loss):.4f}")
+            if log:
+                log({"step": i, "loss": float(loss)})
+    return params
+
+
+def evaluate_rows(params, sets: list[RowSet], ratios=(0.25, 0.125)) -> dict:
+    """Validation loss and kept future mass (ranker vs accumulated attention, H2O's score)."""
+    out = {}
+    cum = ranker_lib.FEATURES.index("log_attn_cum")
+    for s in sets:
+        feats = jnp.asarray(s.feats, jnp.float32)
+        valid = jnp.ones(feats.shape[:-1], bool)
+        scores = np.asarray(ranker_lib.scores_from_features(params, feats, valid))
+        row = {"loss": float(listnet_loss(params, feats, jnp.asarray(s.target)))}
+        for r in ratios:
+            row[f"kept_{r}"] = kept_mass(scores, s.target, r)
+            row[f"kept_attn_cum_{r}"] = kept_mass(s.feats[..., cum].astype(np.float32), s.target, r)
+        out[s.point] = row
+    return out
+
+
+def train(model, cfg: RankerConfig, out: Path) -> Path:
+    """Collects data, fits, validates and saves a ranker at ``out`` (with ``metrics.json``)."""
+    out = Path(out)
+    t0 = time.time()
+    rng = np.random.default_rng(cfg.seed)
+    data = {
+        split: [
+            collect(model.params, model.config, w, cfg, rng=rng)
+            for w in domain_windows(model.tokenizer, cfg, split=split).values()
+        ]
+        for split in ("train", "val")
+    }
+    train_sets = _merge(data["train"])
+    params = fit(train_sets, cfg)
+    val = {
+        domain: evaluate_rows(params, sets)
+        for domain, sets in zip(cfg.domains, data["val"], strict=True)
+    }
+    meta = {
+        "recent_fraction": cfg.recent_fraction,
+        "sinks": cfg.sinks,
+        "config": dataclasses.asdict(cfg),
+        "trained_on": list(cfg.domains),
+        "validation": {d: {str(p): v for p, v in rows.items()} for d, rows in val.items()},
+        "seconds": round(time.time() - t0, 1),
+    }
+    ranker_lib.save_ranker(out, params, meta)
+    return out
+
+
+def _merge(per_domain: list[list[RowSet]]) -> list[RowSet]:
+    return [
+        RowSet(
+            sets[0].point,
+            np.concatenate([s.feats for s in sets]),
+            np.concatenate([s.target for s in sets]),
+        )
+        for sets in zip(*per_domain, strict=True)
+    ]

@@ -1,0 +1,131 @@
+"""``ranker:<path>``: its targets against the oracle's full-cache attention, its features and
+loss by hand, and a trained checkpoint end to end through the CLIs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxkv import eviction, kvcache
+from jaxkv.cli import eval as eval_cli
+from jaxkv.cli import train as train_cli
+from jaxkv.config import ModelConfig
+from jaxkv.generate import full_cache_attention
+from jaxkv.model import decoder
+from jaxkv.model.params import init_params
+from jaxkv.policies import get_policy
+from jaxkv.policies import ranker as ranker_lib
+from jaxkv.rl import ranker
+
+CFG = ModelConfig.tiny()
+PARAMS = init_params(CFG, key=jax.random.key(0), scale=0.2)
+TOKENS = np.asarray(jax.random.randint(jax.random.key(1), (2, 40), 0, CFG.vocab_size))
+SMALL = ranker.RankerConfig(
+    window=40, points=(8, 16), chunk=8, horizon=16, row_fraction=1.0, batch=2
+)
+
+
+def test_targets_are_the_oracles_future_attention():
+    sets = ranker.collect(PARAMS, CFG, TOKENS, SMALL, rng=np.random.default_rng(0))
+    for s in sets:
+        p = s.point
+        attn = np.asarray(full_cache_attention(PARAMS, TOKENS, prompt_len=p, config=CFG))
+        want = attn[: SMALL.horizon].sum(0)[..., :p]  # queries p .. p + horizon - 1
+        np.testing.assert_allclose(s.target, want.reshape(-1, p), rtol=2e-5, atol=1e-6)
+        assert s.feats.shape == (CFG.n_layers * 2 * CFG.n_kv_heads, p, len(ranker_lib.FEATURES))
+
+
+def test_features_by_hand():
+    cache = kvcache.init_cache(CFG, batch_size=2, capacity=24, stats=ranker_lib.STATS)
+    _, cache = decoder.prefill(PARAMS, jnp.asarray(TOKENS[:, :12]), cache, config=CFG)
+    _, cache = decoder.extend(PARAMS, jnp.asarray(TOKENS[:, 12:16]), cache, config=CFG)
+    f = np.asarray(ranker_lib.head_features(cache))
+    col = {n: f[..., i] for i, n in enumerate(ranker_lib.FEATURES)}
+    st = {n: np.asarray(x) for n, x in cache.stats.items()}
+    L = CFG.n_layers
+    # slot s holds position s; 16 tokens processed, so position s was seen by 16 - s queries
+    s = np.arange(16)
+    np.testing.assert_allclose(col["log_age"][..., :16], np.log(16 - s) + 0 * f[..., :16, 0])
+    np.testing.assert_allclose(col["pos_frac"][..., :16], s / 16 + 0 * f[..., :16, 0])
+    np.testing.assert_allclose(col["depth"][:, 0, 0, 0], np.arange(L) / (L - 1))
+    np.testing.assert_allclose(
+        col["log_attn_mean"][..., :16],
+        np.log(st["attn_cum"][..., :16] / (16 - s) + 1e-6),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+    z = col["z_attn_cum"][..., :16]
+    np.testing.assert_allclose(z.mean(-1), 0, atol=1e-4)
+    np.testing.assert_allclose(z.std(-1), 1, atol=1e-3)
+    assert np.all(f[..., 16:, :] == 0)  # free slots
+
+
+def test_listnet_is_minimal_at_the_log_target():
+    rng = np.random.default_rng(0)
+    t = rng.random((5, 12)) ** 3
+    h = -np.mean(np.sum((t / t.sum(-1, keepdims=True)) * np.log(t / t.sum(-1, keepdims=True)), -1))
+    assert float(ranker.listnet(jnp.log(t), t)) == pytest.approx(h, rel=1e-5)
+    assert float(ranker.listnet(jnp.log(t) + 7.0, t)) == pytest.approx(h, rel=1e-5)  # row shift
+    for _ in range(5):
+        assert float(ranker.listnet(jnp.log(t) + rng.normal(size=t.shape), t)) > h
+
+
+def test_kept_mass_against_brute_force():
+    rng = np.random.default_rng(1)
+    scores, target = rng.random((6, 16)), rng.random((6, 16))
+    B = 4
+    want = [
+        target[i, np.argsort(-scores[i])[:B]].sum() / np.sort(target[i])[::-1][:B].sum()
+        for i in range(6)
+    ]
+    assert ranker.kept_mass(scores, target, 0.25) == pytest.approx(np.mean(want))
+    assert ranker.kept_mass(target, target, 0.25) == pytest.approx(1.0)
+
+
+def test_trained_ranker_end_to_end(tmp_path, capsys):
+    out = tmp_path / "rk"
+    argv = ["ranker", "--model", "tiny", "--windows-per-domain", "2", "--steps", "3"]
+    assert train_cli.main([*argv, "--out", str(out)]) == 0
+    params, meta = ranker_lib.load_ranker_params(out)
+    assert meta["trained_on"] == ["prose", "math", "code", "chat"]
+    assert set(meta["validation"]) == {"prose", "math", "code", "chat"}
+    policy = get_policy(f"ranker:{out}")
+    assert jax.tree.all(jax.tree.map(np.array_equal, policy.init(), params))
+    for granularity in ("shared", "head", "adaptive"):
+        code = eval_cli.main(
+            ["fidelity", "--model", "tiny", "--policies", f"full,ranker:{out}", "--limit", "1",
+             "--window", "96", "--prompt-len", "64", "--ratios", "0.5,1",
+             "--granularity", granularity, "--protocol", "prefill",
+             "--out", str(tmp_path / granularity)]
+        )  # fmt: skip
+        assert code == 0
+    assert train_cli.main([*argv, "--domains", "prose,poetry"]) == 2
+    assert "unknown ['poetry']" in capsys.readouterr().err
+
+
+def test_pruned_rows_carry_the_full_caches_targets_at_their_positions():
+    cfg = ranker.RankerConfig(
+        window=40, points=(16, 24), chunk=8, horizon=16, row_fraction=1.0, batch=2,
+        pruned_ratios=(0.5,), min_budget=8,
+    )  # fmt: skip
+    full16, full24, pruned16, pruned24 = ranker.collect(
+        PARAMS, CFG, TOKENS, cfg, rng=np.random.default_rng(0)
+    )
+    np.testing.assert_array_equal(pruned16.target, full16.target)  # nothing evicted yet
+    # at 24: H2O kept max(0.5 * 16, 8) = 8 of the first 16 tokens, then 8 arrived
+    assert pruned24.target.shape == (full24.target.shape[0], 16)
+    for got, row in zip(pruned24.target, full24.target, strict=True):
+        assert np.isin(got, row).all()  # each kept token's target is its position's
+        assert np.isin(row[16:], got).all()  # the 8 new tokens are all there
+
+
+def test_sinks_and_recent_window_are_kept():
+    params = ranker_lib.init_params(key=jax.random.key(3))
+    policy = ranker_lib.ranker_policy(params, recent_fraction=0.5, sinks=4)
+    cache = kvcache.init_cache(CFG, batch_size=2, capacity=40, stats=policy.stats)
+    _, cache = decoder.prefill(PARAMS, jnp.asarray(TOKENS), cache, config=CFG)
+    comp = eviction.Compression(policy, budget=16, granularity="head")
+    kept = eviction.evict(cache, comp, params, key=jax.random.key(0)).pos
+    for row in np.asarray(kept).reshape(-1, 40):
+        row = set(row[row >= 0].tolist())
+        assert len(row) == 16 and set(range(4)) | set(range(32, 40)) <= row
