@@ -232,6 +232,7 @@ def generate_tokens(
     key: jax.Array | None = None,
     compression: Compression | None = None,
     policy_state=None,
+    kv_dtype=None,
 ) -> list[list[int]]:
     """Generates from a batch of token-id prompts (different lengths allowed).
 
@@ -247,6 +248,8 @@ def generate_tokens(
         compression: KV-cache compression (None: full cache).
         policy_state: the policy's state (when None, ``init()`` of the policy bound to
             ``params``: ``jaxkv.policies.with_model``).
+        kv_dtype: the cache's key/value dtype (``kvcache.init_cache``'s ``dtype``: None for
+            the model's, ``"int8"`` for an int8 cache).
 
     Returns:
         For each prompt, the generated ids up to and including the first stop token.
@@ -261,7 +264,14 @@ def generate_tokens(
             f"{max_new_tokens} new tokens exceeds the model's max_seq_len {config.max_seq_len}"
         )
     capacity, cache, policy_state = _run_cache(
-        params, config, len(prompts), n_max, prompt_BT.shape[1], compression, policy_state
+        params,
+        config,
+        len(prompts),
+        n_max,
+        prompt_BT.shape[1],
+        compression,
+        policy_state,
+        kv_dtype=kv_dtype,
     )
     with warnings.catch_warnings():
         # a prompt longer than the compressed capacity is compacted into a smaller cache,
@@ -285,9 +295,10 @@ def generate_tokens(
     return _trim(np.asarray(state.tokens), np.asarray(state.step), set(stop_tokens))
 
 
-def _run_cache(params, config, batch, n_max, prompt_len, compression, policy_state):
+def _run_cache(params, config, batch, n_max, prompt_len, compression, policy_state, *, kv_dtype):
     """(loop capacity, prefill cache, policy state) of a run of ``n_max`` tokens: the
-    prefill cache holds the whole prompt, the loop cache the compressed capacity."""
+    prefill cache holds the whole prompt, the loop cache the compressed capacity; keys and
+    values in ``kv_dtype`` (None: the model's)."""
     capacity = n_max
     if compression is not None:
         capacity = compression.capacity(n_max, prompt_len=prompt_len)
@@ -298,6 +309,7 @@ def _run_cache(params, config, batch, n_max, prompt_len, compression, policy_sta
         config,
         batch_size=batch,
         capacity=max(capacity, prompt_len),
+        dtype=kv_dtype,
         stats=() if compression is None else compression.stats,
         window=compression.policy.window if evicts else 64,
     )
@@ -376,6 +388,7 @@ def generate(
     policy: str | None = None,
     ratio: float | None = None,
     budget: int | None = None,
+    kv_dtype: str | None = None,
     **compression_options,
 ) -> list[str]:
     """Generates text for one or several prompts with a loaded model (``jaxkv.load``).
@@ -391,6 +404,7 @@ def generate(
         policy: eviction policy name (``jaxkv.policies.policy_names()``); None = full cache.
         ratio: budget ratio r in (0, 1] (with ``policy``).
         budget: absolute budget instead of ``ratio``.
+        kv_dtype: None (the model's dtype) or ``"int8"`` (an int8 KV cache).
         **compression_options: further ``Compression`` fields (granularity, min_budget, ...).
 
     Returns:
@@ -413,6 +427,7 @@ def generate(
         pad_id=stops[0] if pad is None else pad,
         key=jax.random.key(seed),
         compression=compression,
+        kv_dtype=kv_dtype,
     )
     return [model.tokenizer.decode(o, skip_special_tokens=True) for o in outs]
 
@@ -468,12 +483,14 @@ def teacher_forced(
     compression: Compression | None = None,
     policy_state=None,
     key: jax.Array | None = None,
+    kv_dtype=None,
 ):
     """Logits of a compressed cache fed a fixed token stream (teacher forcing).
 
     The first ``prompt_len`` tokens are prefilled (then evicted down to the budget); each
     later token is decoded one at a time, with eviction after every step under the
-    ``decode`` protocol and none under ``prefill``, as in generation.
+    ``decode`` protocol and none under ``prefill``, as in generation. ``kv_dtype`` is the
+    cache's key/value dtype (None: the model's; ``"int8"``: an int8 cache).
 
     Returns:
         Logits [B, T - prompt_len, V] predicting tokens ``prompt_len .. T-1`` (the same
@@ -483,7 +500,7 @@ def teacher_forced(
     if not 0 < prompt_len < T:
         raise ValueError(f"prompt_len must be in [1, {T - 1}], got {prompt_len}")
     capacity, cache, policy_state = _run_cache(
-        params, config, B, T, prompt_len, compression, policy_state
+        params, config, B, T, prompt_len, compression, policy_state, kv_dtype=kv_dtype
     )
     return _teacher_forced_jit(
         params,

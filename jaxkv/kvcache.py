@@ -11,6 +11,15 @@ cache into a new capacity (after prefill, when a long prompt is cut to its budge
 Rows may hold different tokens and different numbers of them (per-head and ``adaptive``
 selection, ``jaxkv.eviction``): C is the most one row can hold, the rest of a row is free.
 
+Keys and values are stored in the model's dtype, or (``init_cache(dtype="int8")``) as int8
+with one float32 scale per (layer, sequence, KV head, slot) each: ``k_scale`` and
+``v_scale`` [L, B, K, C], per-slot arrays like ``pos`` that ``gather`` moves with their slots.
+A token is quantized when it is written (``append``/``fill_empty``: symmetric absmax over the
+head dim, ``quantize``); attention dequantizes by folding the scales into the scores and the
+probabilities (``jaxkv.model.decoder``), and code that reads the stored keys or values reads
+``cache.keys()`` / ``cache.values()`` (float32, dequantized). A full-precision cache has
+``k_scale = v_scale = None`` and behaves exactly as before.
+
 Besides the per-slot arrays a cache may carry query statistics (``query_stats``), which
 belong to no slot: running sums of every (layer, query head)'s queries and of their outer
 products, for policies that model the queries to come (Expected Attention,
@@ -33,7 +42,8 @@ FREE = -1
 #   attn_cum   mass summed over every query so far, mean over G (H2O's heavy hitters)
 #   recent     sum over queries q of lam^age(q) * mass, lam = exp(-1/window), mean over G
 #   recent_ent same, each query's mass weighted by its attention entropy H(a_q)
-#   vnorm      L2 norm of the value vector
+#   vnorm      L2 norm of the value vector (of an int8 cache: of the value before it was
+#              quantized, as computed in the same pass)
 STAT_NAMES = ("attn", "attn_sq", "attn_cum", "recent", "recent_ent", "vnorm")
 
 # Query statistics: a name a policy lists in its ``stats`` like the per-slot ones, but what it
@@ -46,14 +56,17 @@ STAT_NAMES = ("attn", "attn_sq", "attn_cum", "recent", "recent_ent", "vnorm")
 QUERIES = "queries"
 QUERY_SINKS = 4
 
+INT8 = "int8"
+INT8_MAX = 127  # symmetric range [-127, 127]: -128 is never used, so q and -q both exist
+
 
 @struct.dataclass
 class KVCache:
     """Explicit fixed-capacity KV cache.
 
     Attributes:
-        k: [L, B, K, C, H] post-RoPE keys.
-        v: [L, B, K, C, H] values.
+        k: [L, B, K, C, H] post-RoPE keys (int8 when ``quantized``).
+        v: [L, B, K, C, H] values (int8 when ``quantized``).
         pos: [L, B, K, C] int32 token position held by each slot, -1 when free.
         stats: per-slot statistics, each [L, B, K, C] (empty: the decoder computes none).
         query_stats: query moments (``QUERIES``; empty: the decoder computes none).
@@ -63,6 +76,9 @@ class KVCache:
         window: time constant (in queries) of the ``recent`` statistics (static).
         rope_theta: the model's RoPE base, which ``query_stats`` (pre-RoPE) need to be
             compared with the stored (rotated) keys (static).
+        k_scale: [L, B, K, C] float32 dequantization scale of each stored key (int8 cache),
+            else None.
+        v_scale: [L, B, K, C] float32 scale of each stored value, else None.
     """
 
     k: jax.Array
@@ -74,6 +90,21 @@ class KVCache:
     query_stats: dict = struct.field(default_factory=dict)
     window: int = struct.field(pytree_node=False, default=64)
     rope_theta: float = struct.field(pytree_node=False, default=10000.0)
+    k_scale: jax.Array | None = None
+    v_scale: jax.Array | None = None
+
+    @property
+    def quantized(self) -> bool:
+        """Keys and values are stored as int8 with per-slot scales."""
+        return self.k_scale is not None
+
+    def keys(self) -> jax.Array:
+        """[L, B, K, C, H] float32 keys as attention sees them (dequantized when int8)."""
+        return dequantize(self.k, self.k_scale)
+
+    def values(self) -> jax.Array:
+        """[L, B, K, C, H] float32 values as attention sees them (dequantized when int8)."""
+        return dequantize(self.v, self.v_scale)
 
     @property
     def capacity(self) -> int:
@@ -108,7 +139,8 @@ def init_cache(
         config: the model config.
         batch_size: sequences.
         capacity: slots per (layer, sequence, KV head).
-        dtype: key/value dtype (default: the model's).
+        dtype: key/value dtype (default: the model's), or ``"int8"`` (also ``jnp.int8``):
+            int8 keys and values with per-slot float32 scales (module docstring).
         stats: the statistics to carry (names from ``STAT_NAMES`` and ``QUERIES``, e.g. a
             policy's ``stats``), True for all per-slot ones (``STAT_NAMES``), False for
             none. The decoder computes only the statistics a cache carries.
@@ -119,9 +151,12 @@ def init_cache(
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
     names = stat_names(stats)
-    dtype = dtype or config.jnp_dtype
+    dtype = jnp.dtype(dtype or config.jnp_dtype)
     L, K, H = config.n_layers, config.n_kv_heads, config.head_dim
     shape = (L, batch_size, K, capacity)
+    int8 = dtype == jnp.int8
+    if not int8 and not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"cache dtype must be a float dtype or {INT8!r}, got {dtype}")
     return KVCache(
         k=jnp.zeros((*shape, H), dtype),
         v=jnp.zeros((*shape, H), dtype),
@@ -132,7 +167,30 @@ def init_cache(
         query_stats=init_query_stats(config, batch_size) if QUERIES in names else {},
         window=window,
         rope_theta=float(config.rope_theta),
+        k_scale=jnp.zeros(shape, jnp.float32) if int8 else None,
+        v_scale=jnp.zeros(shape, jnp.float32) if int8 else None,
     )
+
+
+def quantize(x_XH: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Symmetric absmax int8 quantization over the last axis (one scale per head-dim vector).
+
+    Returns:
+        q [..., H] int8 with ``|x - q * scale| <= scale / 2`` elementwise, and scale [...]
+        float32 (``max |x| / 127``; 0 for an all-zero vector, which is then stored as 0).
+    """
+    x = x_XH.astype(jnp.float32)
+    scale = jnp.max(jnp.abs(x), axis=-1) / INT8_MAX
+    safe = jnp.where(scale > 0, scale, 1.0)[..., None]
+    q = jnp.clip(jnp.round(x / safe), -INT8_MAX, INT8_MAX)
+    return q.astype(jnp.int8), scale
+
+
+def dequantize(x_XH: jax.Array, scale_X: jax.Array | None) -> jax.Array:
+    """float32 values of stored keys or values: ``q * scale``, or ``x`` itself when
+    ``scale`` is None (a full-precision cache)."""
+    x = x_XH.astype(jnp.float32)
+    return x if scale_X is None else x * scale_X[..., None]
 
 
 def init_query_stats(config: ModelConfig, batch_size: int) -> dict:
@@ -198,9 +256,16 @@ def _scatter(x, slots_LBKT, upd):
 
 
 def _write(cache: KVCache, put, k_LBKTH, v_LBKTH, pos_BT, new_stats) -> KVCache:
-    """Writes new tokens with ``put(array, update)`` into every per-slot array."""
+    """Writes new tokens with ``put(array, update)`` into every per-slot array (quantizing
+    them first into an int8 cache)."""
     L, B, K, T = k_LBKTH.shape[:4]
     pos_LBKT = jnp.broadcast_to(pos_BT[None, :, None, :], (L, B, K, T))
+    if cache.quantized:
+        k_LBKTH, k_scale = quantize(k_LBKTH)
+        v_LBKTH, v_scale = quantize(v_LBKTH)
+        cache = cache.replace(
+            k_scale=put(cache.k_scale, k_scale), v_scale=put(cache.v_scale, v_scale)
+        )
     return cache.replace(
         k=put(cache.k, k_LBKTH),
         v=put(cache.v, v_LBKTH),
@@ -293,11 +358,15 @@ def gather(cache: KVCache, idx: jax.Array, *, capacity: int | None = None) -> KV
         widths = [(0, 0)] * 3 + [(0, pad)] + [(0, 0)] * extra
         return jnp.pad(out, widths, constant_values=fill)
 
+    scales = {}
+    if cache.quantized:
+        scales = dict(k_scale=take(cache.k_scale, 0), v_scale=take(cache.v_scale, 0))
     return cache.replace(
         k=take(cache.k, 0),
         v=take(cache.v, 0),
         pos=take(cache.pos, FREE),
         stats={name: take(acc, 0) for name, acc in cache.stats.items()},
+        **scales,
     )
 
 

@@ -90,6 +90,8 @@ def cache_shardings(cache, mesh: Mesh):
         v=one("v", cache.v),
         pos=one("pos", cache.pos),
         stats={n: one("stats", a) for n, a in cache.stats.items()},
+        k_scale=None if cache.k_scale is None else one("pos", cache.k_scale),
+        v_scale=None if cache.v_scale is None else one("pos", cache.v_scale),
         query_stats={
             n: NamedSharding(mesh, spec(QUERY_STAT_AXES[n], a.shape, mesh))
             for n, a in cache.query_stats.items()

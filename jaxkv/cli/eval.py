@@ -27,6 +27,7 @@ import jaxkv
 from jaxkv.cli import flags, suite
 from jaxkv.cli import kvlearn as kvlearn_cli
 from jaxkv.evals import runner
+from jaxkv.evals.fidelity import KV_DTYPES
 from jaxkv.eviction import GRANULARITIES, PROTOCOLS, Compression
 from jaxkv.policies import policy_names
 
@@ -105,6 +106,7 @@ def _generate_cmd(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         top_p=args.top_p,
         seed=args.seed,
+        kv_dtype=None if args.kv_dtype == "model" else args.kv_dtype,
         **compression,
     )
     t2 = time.perf_counter()
@@ -132,6 +134,12 @@ def _generate_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=flags.fraction, default=1.0, help="nucleus mass in (0, 1]")
     parser.add_argument("--seed", type=flags.seed, default=0, help="sampling seed (>= 0)")
     parser.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    parser.add_argument(
+        "--kv-dtype",
+        default="model",
+        choices=KV_DTYPES,
+        help="KV-cache storage: model (the model's dtype) or int8 (per-slot scales)",
+    )
     g = parser.add_argument_group("KV-cache compression (these flags need an evicting --policy)")
     g.add_argument(
         "--policy",

@@ -28,9 +28,10 @@ SOURCE`` (a hub name, or a local file or folder in the hub's layout: ``jaxkv.eva
 need the ``hf`` extra). ``fidelity``, ``retrieval`` and ``agreement`` also take ``--protocol
 {decode,prefill}`` (evict at every decode step, or compress the prompt once) and
 ``--granularity {shared,layer,head,adaptive}`` (``jaxkv.eviction``; recorded in the result
-file's config when not the default); ``fidelity`` alone can run the ``oracle`` bound, and
-``critical:<policy>`` runs in ``fidelity``, ``retrieval`` and ``agreement`` (it reads the
-loaded model's W_o).
+file's config when not the default); ``fidelity`` also takes ``--kv-dtype {model,int8}``
+(an int8 KV cache, ``jaxkv.kvcache``; recorded likewise); ``fidelity`` alone can run the
+``oracle`` bound, and ``critical:<policy>`` runs in ``fidelity``, ``retrieval`` and
+``agreement`` (it reads the loaded model's W_o).
 
 Every argument is checked before anything loads or is written: numbers by their flag types
 (``jaxkv.cli.flags``), then the lists, policies (learned checkpoints included), input files and
@@ -123,8 +124,10 @@ def _common(parser: argparse.ArgumentParser, *, ratios: str, policies: str, limi
         "--policies",
         default=policies,
         help="comma list: full, random, streaming_llm, h2o, snapkv, tova, keydiff, knorm, "
-        "critical:<policy> (CriticalKV over a policy; fidelity, retrieval, agreement), oracle "
-        "(future-attention upper bound; fidelity only), learned:<checkpoint> (a folder, or a "
+        "expected_attention, critical:<policy> (CriticalKV over a policy; fidelity, retrieval, "
+        "agreement), oracle (future-attention upper bound; fidelity only), ranker:<checkpoint> "
+        "(the supervised per-head ranker: python -m jaxkv.train ranker), learned:<checkpoint> "
+        "(a folder, or a "
         "checkpoint shipped in jaxkv/checkpoints/: learned:distillcache_smollm2_cpu; several "
         "checkpoints as seeds: learned:a+b or a glob)",
     )
@@ -232,6 +235,14 @@ def _fidelity_flags(parser: argparse.ArgumentParser) -> None:
         help="tail fraction of the text used, in (0, 1] (1 = all of it; default 0.1, and 1 "
         "with --wikitext)",
     )
+    parser.add_argument(
+        "--kv-dtype",
+        default="model",
+        choices=fidelity.KV_DTYPES,
+        help="KV-cache storage of the compared streams: model (the model's dtype) or int8 "
+        "(per-slot scales); the reference is always the model's full cache, and with int8 "
+        "the full row is the int8 full cache",
+    )
     _selection_flags(parser)
 
 
@@ -264,6 +275,7 @@ def _fidelity(args: argparse.Namespace, job: runner.Job) -> report.ResultStore:
         wikitext=args.wikitext,
         wikitext_config=args.wikitext_config or hub.WIKITEXT_CONFIG,
         wikitext_split=args.wikitext_split or "test",
+        kv_dtype=args.kv_dtype,
     )
 
 

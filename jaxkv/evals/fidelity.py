@@ -26,6 +26,11 @@ queries pay under the full cache: a second full-cache pass per batch of windows 
 (``generate.full_cache_attention``). It is the upper bound to report beside the policies, and
 runs outside the switch of the others (its state is that attention, per batch).
 
+With ``kv_dtype="int8"`` (``--kv-dtype int8``) every stream but the reference runs on an int8
+KV cache (``jaxkv.kvcache``): the reference stays the full cache in the model's dtype, the
+``full`` row is the int8 full cache (what int8 alone costs), and each policy at r = 1 equals
+that row bit for bit.
+
 ``evaluate`` is the whole job (``python -m jaxkv.eval fidelity``): the text is a file
 (tinyshakespeare by default) or WikiText through ``hub``.
 """
@@ -39,6 +44,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from jaxkv import kvcache
 from jaxkv.evals import hub, metrics, report, runner, tasks
 from jaxkv.evals.runner import (
     EvalModel,
@@ -56,6 +62,7 @@ from jaxkv.policies import oracle as oracle_lib
 NAME = "fidelity"
 TITLE = "Fidelity to the full cache (teacher forcing, paper Fig. 1)"
 DEFAULT_TEXT = "tinyshakespeare (held-out tail)"
+KV_DTYPES = ("model", kvcache.INT8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +75,8 @@ class FidelitySettings:
         min_budget: B_min of every compression.
         protocol: ``decode`` (evict at every step) or ``prefill`` (compress once).
         granularity: ``shared``, ``layer``, ``head`` or ``adaptive``.
+        kv_dtype: the compared streams' key/value storage, ``model`` (the model's dtype) or
+            ``int8`` (an int8 KV cache; the reference always keeps the model's).
     """
 
     prompt_len: int = 256
@@ -75,6 +84,16 @@ class FidelitySettings:
     min_budget: int = 32
     protocol: str = "decode"
     granularity: str = "shared"
+    kv_dtype: str = "model"
+
+    def __post_init__(self):
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
+
+    @property
+    def cache_dtype(self) -> str | None:
+        """``kvcache.init_cache``'s ``dtype``: None for the model's."""
+        return None if self.kv_dtype == "model" else self.kv_dtype
 
 
 def stream_logits(
@@ -111,6 +130,7 @@ def stream_logits(
             compression=compression,
             policy_state=policy_state,
             key=jax.random.key(seed),
+            kv_dtype=settings.cache_dtype,
         )
         out.append(np.asarray(logits)[:real])
     return np.concatenate(out)
@@ -156,10 +176,12 @@ def run(
     groups = runner.bind_groups(groups, model)
     members = [p for g in groups if not g.is_full for p in g.members if not needs_future(p)]
     n_cells = len(ratios) * sum(1 if g.is_full else len(g.runs(seeds)) for g in groups)
+    exact = dataclasses.replace(settings, kv_dtype="model")
     with report.progress(n_cells + 1, desc=NAME) as bar:
-        ref = stream_logits(model, windows_NT, settings=settings, compression=None)
+        ref = stream_logits(model, windows_NT, settings=exact, compression=None)
         nll_ref = np.stack([metrics.token_nll(r, t) for r, t in zip(ref, targets, strict=True)])
         ppl_full = metrics.perplexity(nll_ref)
+        full_cell = _full_cell(model, windows_NT, ref, targets, settings, groups)
         bar.update()
         for ratio in ratios:
             comp = None
@@ -174,7 +196,7 @@ def run(
             for group in groups:
                 for member, seed in [(None, seeds[0])] if group.is_full else group.runs(seeds):
                     if member is None:
-                        cell = _scores(ref, ref, targets)
+                        cell = full_cell
                     else:
                         if needs_future(member):
                             member_comp, state = _alone(member, ratio, settings), None
@@ -202,6 +224,15 @@ def run(
                     )
                     bar.update()
     return store.results()
+
+
+def _full_cell(model, windows_NT, ref, targets, settings: FidelitySettings, groups) -> dict:
+    """The ``full`` row: the reference itself, or (when ``settings.kv_dtype`` is not the
+    model's and some group is ``full``) the full cache in that dtype against it."""
+    if settings.cache_dtype is None or not any(g.is_full for g in groups):
+        return _scores(ref, ref, targets)
+    logits = stream_logits(model, windows_NT, settings=settings, compression=None)
+    return _scores(ref, logits, targets)
 
 
 def _alone(policy, ratio: float, settings: FidelitySettings) -> Compression:
@@ -299,7 +330,7 @@ def _non_default_selection(settings: FidelitySettings) -> dict:
     default = FidelitySettings()
     return {
         name: getattr(settings, name)
-        for name in ("protocol", "granularity")
+        for name in ("protocol", "granularity", "kv_dtype")
         if getattr(settings, name) != getattr(default, name)
     }
 
@@ -334,6 +365,7 @@ def evaluate(
     wikitext: str | None = None,
     wikitext_config: str = hub.WIKITEXT_CONFIG,
     wikitext_split: str = "test",
+    kv_dtype: str = "model",
 ) -> report.ResultStore:
     """Cuts the text into ``job.limit`` windows and runs ``run``; returns the finished store.
 
@@ -347,6 +379,7 @@ def evaluate(
         wikitext: WikiText's source for ``hub.wikitext_text`` (a hub name or local folder).
         wikitext_config: its config.
         wikitext_split: its split.
+        kv_dtype: ``model`` or ``int8`` (``FidelitySettings.kv_dtype``).
 
     Raises:
         ValueError, FileNotFoundError: ``prompt_len`` not below ``window``, a policy that
@@ -356,6 +389,8 @@ def evaluate(
     """
     check_prompt_len(window=window, prompt_len=prompt_len)
     check_selection(job)
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
     if text is not None and wikitext is not None:
         raise ValueError("give a text file or WikiText, not both")
     body = None
@@ -375,6 +410,7 @@ def evaluate(
         min_budget=job.min_budget,
         protocol=job.protocol,
         granularity=job.granularity,
+        kv_dtype=kv_dtype,
     )
     store = report.ResultStore(
         job.out,

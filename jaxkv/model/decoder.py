@@ -172,25 +172,39 @@ def prefill(
     return _guard(_logits(params, x_BD, config), cache), cache
 
 
-def _cached_attention(q, k_new, v_new, pos_BT, ck, cv, cpos, config: ModelConfig):
+def _cached_attention(q, k_new, v_new, pos_BT, cached, config: ModelConfig):
     """Attention of new queries over one layer's cache slots plus the new tokens.
 
     One softmax over both key parts, never concatenated; visibility comes from positions
     and broadcasts over the query heads inside the fused ops (no [B, K, G, T, C] mask).
+    ``cached`` is the layer's (keys, values, pos, key scales, value scales); the scales are
+    None for a full-precision cache. An int8 cache is dequantized without materializing
+    float keys or values: a slot's key scale multiplies its scores (s = scale * q.k_int8)
+    and its value scale the probabilities that weight its int8 value. The new tokens attend
+    to their own keys and values in full precision (they are quantized when written).
 
     Returns:
         The output [B, K, G, T, H] and the probabilities of the cache slots
         [B, K, G, T, C] and of the new tokens [B, K, G, T, T].
     """
+    ck, cv, cpos, k_scale, v_scale = cached
     q_pos = pos_BT[:, None, None, :, None]
     window = config.sliding_window
     sees_cache = layers.visible(q_pos, cpos[:, :, None, None, :], window)  # [B, K, 1, T, C]
     sees_new = layers.visible(q_pos, pos_BT[:, None, None, None, :], window)  # [B, 1, 1, T, T]
+    if k_scale is None:
+        s_cache = layers.scores(q, ck)
+    else:
+        s_cache = layers.scores(q, ck.astype(q.dtype)) * k_scale[:, :, None, None, :]
     p_cache, p_new = layers.split_softmax(
-        (layers.scores(q, ck), layers.scores(q, k_new)), (sees_cache, sees_new)
+        (s_cache, layers.scores(q, k_new)), (sees_cache, sees_new)
     )
-    out = layers.weighted_values(p_cache, cv) + layers.weighted_values(p_new, v_new)
-    return out, p_cache, p_new
+    if v_scale is None:
+        out_cache = layers.weighted_values(p_cache, cv)
+    else:
+        p_scaled = p_cache * v_scale[:, :, None, None, :]
+        out_cache = layers.weighted_values(p_scaled, cv.astype(v_new.dtype))
+    return out_cache + layers.weighted_values(p_new, v_new), p_cache, p_new
 
 
 def extend(
@@ -218,9 +232,9 @@ def extend(
     q_acc = {n: a for n, a in cache.query_stats.items() if n != "weight"}
 
     def layer(x, xs):
-        lp, ck, cv, cpos, acc_l, q_acc_l = xs
+        lp, cached, acc_l, q_acc_l = xs
         q, k, v, q_pre = _projections(lp, x, pos_BT, config)
-        attn, p_cache, p_new = _cached_attention(q, k, v, pos_BT, ck, cv, cpos, config)
+        attn, p_cache, p_new = _cached_attention(q, k, v, pos_BT, cached, config)
         x = _finish_layer(lp, x, attn, config)
         moments = None
         if q_weights is not None:
@@ -234,7 +248,8 @@ def extend(
             new["vnorm"] = attn_stats.value_norms(v)
         return x, (k, v, merged, new, moments)
 
-    xs = (params["layers"], cache.k, cache.v, cache.pos, acc, q_acc)
+    cached = (cache.k, cache.v, cache.pos, cache.k_scale, cache.v_scale)
+    xs = (params["layers"], cached, acc, q_acc)
     x, (ks, vs, merged, new_stats, moments) = jax.lax.scan(
         layer, _embed(params, tokens_BT, config), xs
     )

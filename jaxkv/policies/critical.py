@@ -94,7 +94,7 @@ def critical(inner: Policy, *, epsilon: float = 1e-4, first_stage_ratio: float =
         if base.ndim == 2:  # one score per token
             base = base[None, :, None, :]
         base = jnp.broadcast_to(base, cache.pos.shape)
-        norm = projected_norms(cache.v, wo)
+        norm = projected_norms(cache.values(), wo)
         return two_stage(
             base,
             norm,

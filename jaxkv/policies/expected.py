@@ -118,13 +118,13 @@ def expected_scores(
         cache.length, n_future=n_future, head_dim=H, theta=cache.rope_theta
     )
     mean, cov = query_mean_cov(cache.query_stats)
-    keys = _rotate(cache.k.astype(jnp.float32), cos, -sin)  # R-bar^T k
+    keys = _rotate(cache.keys(), cos, -sin)  # R-bar^T k
     logits = expected_logits(mean, cov if use_covariance else None, keys)
     valid = cache.pos >= 0
     sink = valid & (cache.pos < n_sink)
     s = group_softmax(logits, valid & ~sink)
     if use_vnorm:
-        s = (s + epsilon) * jnp.linalg.norm(cache.v.astype(jnp.float32), axis=-1)
+        s = (s + epsilon) * jnp.linalg.norm(cache.values(), axis=-1)
     s = jnp.where(valid & ~sink, s, 0.0)
     top = jnp.max(s, axis=(2, 3), keepdims=True)
     return jnp.where(sink, top + 1.0, s)

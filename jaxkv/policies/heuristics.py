@@ -125,7 +125,7 @@ def keydiff() -> Policy:
     (cosine) to the mean direction of the row's normalized keys."""
 
     def score(state, cache, **_):
-        k = cache.k.astype(jnp.float32)
+        k = cache.keys()
         unit = k / jnp.maximum(jnp.linalg.norm(k, axis=-1, keepdims=True), 1e-6)
         valid = (cache.pos >= 0)[..., None]
         anchor = jnp.sum(jnp.where(valid, unit, 0.0), axis=3, keepdims=True)
@@ -140,6 +140,6 @@ def knorm() -> Policy:
     smallest L2 norm (low key norm correlates with high attention)."""
 
     def score(state, cache, **_):
-        return -jnp.linalg.norm(cache.k.astype(jnp.float32), axis=-1)
+        return -jnp.linalg.norm(cache.keys(), axis=-1)
 
     return Policy("knorm", score=score)
