@@ -1,0 +1,26 @@
+"""scripts/device_decode.py (issue 17, item 5) runs end to end on tiny shapes on a CPU."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_device_decode_small_runs_on_cpu(tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("OUT", None)
+    cmd = [sys.executable, "scripts/device_decode.py", "--small", "--no-int8", "--batch", "1"]
+    cmd += ["--steps", "2", "--runs", "1", "--warmup", "1", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "device_decode.json").read_text())
+    assert set(report["rows"]) == {"full_b1", "compressed_b1"}
+    for row in report["rows"].values():
+        assert row["ms_per_step"] > 0 and row["tokens_per_s"] > 0
+    comp, full = report["rows"]["compressed_b1"], report["rows"]["full_b1"]
+    assert comp["capacity"] < full["capacity"]
+    assert report["speedups"]["compressed_vs_full"] > 0
+    assert "| compressed_b1 |" in (tmp_path / "device_decode.md").read_text()
