@@ -38,6 +38,8 @@ RATIOS = (0.25, 0.125)
 
 
 def run_cell(text: Path, *, protocol: str, granularity: str, policies: list[str], args, out):
+    """One fidelity run's results; a complete earlier run of the same settings in ``out`` is
+    read back instead (an interrupted benchmark resumes where it stopped)."""
     argv = [
         "fidelity", "--text", str(text), "--heldout", "1", "--limit", str(args.limit),
         "--window", str(args.window), "--prompt-len", str(args.prompt_len),
@@ -45,9 +47,14 @@ def run_cell(text: Path, *, protocol: str, granularity: str, policies: list[str]
         "--ratios", ",".join(map(str, RATIOS)), "--policies", ",".join(policies),
         "--out", str(out),
     ]  # fmt: skip
+    done = out / "fidelity.json"
+    if done.exists():
+        old = json.loads(done.read_text())
+        if old.get("complete") and old["config"].get("policies") == ",".join(policies):
+            return old["results"]
     if eval_cli.main(argv) != 0:
         raise SystemExit(f"fidelity failed: {' '.join(argv)}")
-    return json.loads((out / "fidelity.json").read_text())["results"]
+    return json.loads(done.read_text())["results"]
 
 
 def label(policy: str, ranker: str) -> str:
@@ -104,26 +111,33 @@ def main() -> int:
     text = write_domain_text(HELDOUT_DOMAIN, work / "heldout.txt", tokenizer=model.tokenizer)
     protocols = args.protocols.split(",")
     rows = []
-    for protocol in protocols:
-        cells = [(g, [*HEURISTICS, f"ranker:{args.ranker}", "oracle"]) for g in
-                 args.granularities.split(",")]  # fmt: skip
-        cells.append(("shared", [SHARED_LEARNED]))
-        for granularity, policies in cells:
-            out = work / f"{protocol}-{granularity}-{len(policies)}"
-            for x in run_cell(
-                text, protocol=protocol, granularity=granularity, policies=policies,
-                args=args, out=out,
-            ):  # fmt: skip
-                rows.append(
-                    {
-                        "protocol": protocol,
-                        "granularity": granularity,
-                        "policy": label(x["policy"], args.ranker),
-                        "ratio": x["ratio"],
-                        "kl": x["kl_mean"],
-                        "top1": x["top1_agreement"],
-                    }
-                )
+    cells = [
+        (protocol, granularity, policies)
+        for policies, granularities in [
+            ([*HEURISTICS, "oracle"], args.granularities.split(",")),
+            ([SHARED_LEARNED], ["shared"]),
+            ([f"ranker:{args.ranker}"], ["head"]),  # last: the ranker may still be training
+        ]
+        for protocol in protocols
+        for granularity in granularities
+    ]
+    for protocol, granularity, policies in cells:
+        name = "ranker" if policies[0].startswith("ranker:") else policies[0]
+        out = work / f"{protocol}-{granularity}-{name.replace(':', '_')}"
+        results = run_cell(
+            text, protocol=protocol, granularity=granularity, policies=policies, args=args, out=out
+        )
+        rows += [
+            {
+                "protocol": protocol,
+                "granularity": granularity,
+                "policy": label(x["policy"], args.ranker),
+                "ratio": x["ratio"],
+                "kl": x["kl_mean"],
+                "top1": x["top1_agreement"],
+            }
+            for x in results
+        ]
     meta = {
         "domain": HELDOUT_DOMAIN,
         "ranker": args.ranker,

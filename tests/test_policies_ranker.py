@@ -1,6 +1,8 @@
 """``ranker:<path>``: its targets against the oracle's full-cache attention, its features and
 loss by hand, and a trained checkpoint end to end through the CLIs."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -129,3 +131,17 @@ def test_sinks_and_recent_window_are_kept():
     for row in np.asarray(kept).reshape(-1, 40):
         row = set(row[row >= 0].tolist())
         assert len(row) == 16 and set(range(4)) | set(range(32, 40)) <= row
+
+
+def test_value_target_weights_the_future_attention_by_the_value_norm():
+    attention = ranker.collect(PARAMS, CFG, TOKENS, SMALL, rng=np.random.default_rng(0))
+    value = ranker.collect(
+        PARAMS, CFG, TOKENS, dataclasses.replace(SMALL, target="value"),
+        rng=np.random.default_rng(0),
+    )  # fmt: skip
+    iv = ranker_lib.FEATURES.index("log_vnorm")
+    for a, v in zip(attention, value, strict=True):
+        vnorm = np.exp(a.feats[..., iv].astype(np.float32))  # log(||v|| + 1e-6), float16
+        np.testing.assert_allclose(v.target, a.target * vnorm, rtol=1e-6)
+    with pytest.raises(ValueError, match="target must be one of"):
+        dataclasses.replace(SMALL, target="mass")

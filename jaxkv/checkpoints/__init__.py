@@ -1,6 +1,12 @@
-"""Policy checkpoints shipped with jaxkv, one folder each (``learned:<folder name>``).
+"""Policy checkpoints shipped with jaxkv, one folder each (``learned:<folder name>`` or
+``ranker:<folder name>``).
 
 ``distillcache_smollm2_cpu/``: the DistillCache policy trained on the embedded SmolLM2-135M
 with ``configs/distillcache_cpu.yaml`` (see its ``config.yaml``, ``metrics.jsonl`` and
 ``training.png``).
+
+``ranker_smollm2_cpu/``: the supervised per-head ranker (``jaxkv.policies.ranker``) trained on
+the embedded model with ``python -m jaxkv.train ranker --windows-per-domain 12 --steps 1500
+--target value`` (prose, math, code and chat; BIG-Bench Hard held out). Its ``ranker.json``
+records the settings and the validation scores.
 """

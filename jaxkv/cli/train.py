@@ -87,6 +87,12 @@ def ranker_parser() -> argparse.ArgumentParser:
         help="share of the budget always given to the newest tokens",
     )
     ap.add_argument(
+        "--target",
+        choices=ranker_lib.TARGETS,
+        default=d.target,
+        help="rank by the future attention a token gets, or by that times its value norm",
+    )
+    ap.add_argument(
         "--pruned-ratios",
         default="",
         help="comma list of r: also learn from caches H2O pruned to r (the decode protocol's)",
@@ -109,6 +115,7 @@ def ranker_main(argv: list[str]) -> int:
             hidden=args.hidden,
             seed=args.seed,
             sinks=args.sinks,
+            target=args.target,
             recent_fraction=args.recent_fraction,
             pruned_ratios=tuple(parse_ratios(args.pruned_ratios)) if args.pruned_ratios else (),
         )

@@ -16,6 +16,10 @@ runs the same chunks but is compressed by H2O per head to ``max(r * N, min_budge
 after the prefill and after every chunk; its rows at each point are recorded too, each kept
 token with the full cache's future attention at its position as the target.
 
+With ``target="value"`` the target is that future attention times the token's value norm
+(``||v||``, the ``vnorm`` statistic): what dropping the token removes from the attention
+outputs, to first order, rather than from their weights (CriticalKV's argument).
+
 Loss. ListNet per (point, window, layer, KV head) row: the cross-entropy between the row's
 target distribution (future attention normalized over the row) and the softmax of its scores,
 so the scores are log-odds of future attention.
@@ -45,6 +49,9 @@ from jaxkv.policies import get_policy
 from jaxkv.policies import ranker as ranker_lib
 from jaxkv.rl.data import TRAIN_DOMAINS, domain_text
 
+TARGETS = ("attention", "value")
+_VNORM = ranker_lib.FEATURES.index("log_vnorm")
+
 
 @dataclasses.dataclass(frozen=True)
 class RankerConfig:
@@ -68,6 +75,7 @@ class RankerConfig:
     batch: int = 4
     recent_fraction: float = 0.0  # saved with the ranker: see ranker.ranker_policy
     sinks: int = 0
+    target: str = "attention"  # or "value": future attention times the value norm
 
     def __post_init__(self):
         if not all(0 < p and p + self.horizon <= self.window for p in self.points):
@@ -76,6 +84,8 @@ class RankerConfig:
             self.horizon % self.chunk
         ):
             raise ValueError("points and horizon must lie on the chunk grid")
+        if self.target not in TARGETS:
+            raise ValueError(f"target must be one of {TARGETS}, got {self.target!r}")
 
 
 @dataclasses.dataclass
@@ -170,6 +180,8 @@ def collect(params, config, windows: np.ndarray, cfg: RankerConfig, *, rng) -> l
                 f, t = (np.asarray(x) for x in _rows(states[k][p], future))
                 f = f.reshape(-1, f.shape[-2], f.shape[-1]).astype(np.float16)
                 t = t.reshape(-1, t.shape[-1])
+                if cfg.target == "value":  # the stored (float16) log value norm
+                    t = t * np.exp(f[..., _VNORM].astype(np.float32))
                 keep = rng.random(len(t)) < cfg.row_fraction
                 feats[k, p].append(f[keep])
                 target[k, p].append(t[keep])
