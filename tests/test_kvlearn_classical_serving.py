@@ -78,13 +78,13 @@ def _prefix_hits(blocks, resident) -> int:
     return n
 
 
-def random_requests(seed: int, n_req: int = 300) -> list[list[int]]:
+def random_requests(seed: int, n_req: int = 300, n_paths: int = 14) -> list[list[int]]:
     """Paths of a random prefix tree (chained ids: a block always has the same parent), chosen
     with a skew, cut at a random depth, sometimes with a one-off tail."""
     rng = np.random.default_rng(seed)
     paths: list[list[int]] = []
     nxt = 0
-    for _ in range(14):
+    for _ in range(n_paths):
         base = []
         if paths and rng.random() < 0.6:
             src = paths[int(rng.integers(len(paths)))]

@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 import pytest
+from test_kvlearn_classical_serving import random_requests
 
 from jaxkv.kvlearn.cost import CostModel
 from jaxkv.kvlearn.serving import engine
@@ -40,29 +41,8 @@ def _trace(reqs) -> MooncakeTrace:
 
 
 def _random_requests(seed: int, n_req: int = 400) -> list[list[int]]:
-    """Paths of a random prefix tree (a block always has the same parent), skewed, cut at a
-    random depth, sometimes with a one-off tail."""
-    rng = np.random.default_rng(seed)
-    paths: list[list[int]] = []
-    nxt = 0
-    for _ in range(16):
-        base = []
-        if paths and rng.random() < 0.6:
-            src = paths[int(rng.integers(len(paths)))]
-            base = src[: int(rng.integers(1, len(src) + 1))]
-        ext = list(range(nxt, nxt + int(rng.integers(1, 5))))
-        nxt += len(ext)
-        paths.append(base + ext)
-    w = 1.0 / np.arange(1, len(paths) + 1) ** 0.9
-    reqs = []
-    for _ in range(n_req):
-        path = paths[int(rng.choice(len(paths), p=w / w.sum()))]
-        req = path[: int(rng.integers(1, len(path) + 1))]
-        if rng.random() < 0.25:
-            req = req + list(range(nxt, nxt + int(rng.integers(1, 3))))
-            nxt = max(req) + 1
-        reqs.append(req)
-    return reqs
+    """Requests of a random, skewed prefix tree (16 paths), sometimes with one-off tails."""
+    return random_requests(seed, n_req, n_paths=16)
 
 
 def _evictions(monkeypatch, name, tr, pool_blocks, **options):
