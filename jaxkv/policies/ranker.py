@@ -2,15 +2,17 @@
 per (layer, KV head)).
 
 A small MLP scores every cached token of every (layer, KV head) row from that row's own
-features (``head_features``); it is trained without RL to rank tokens by the attention the
-queries still to come give them under the full cache (the ``oracle``'s quantity), on text
-of several domains (``jaxkv.rl.ranker``). One network is shared by all rows; the layer enters
-as a feature (its depth in [0, 1]), so a checkpoint does not depend on the model's shape.
+features (``head_features``); it is trained without RL to rank tokens by what the queries still
+to come take from them under the full cache (their attention, the ``oracle``'s quantity,
+optionally times the token's value norm), on text of several domains (``jaxkv.rl.ranker``). One
+network is shared by all rows; the layer enters as a feature (its depth in [0, 1]), so a
+checkpoint does not depend on the model's shape.
 
 Scores are per row, so every granularity works: ``head`` keeps each row's top B, ``layer`` and
-``shared`` average a row's scores over the heads (and layers) they share. The scores are
-log-odds of a row's future attention and so comparable across the heads of a layer, as
-``adaptive`` (AdaKV) needs.
+``shared`` average a row's scores over the heads (and layers) they share. Training (ListNet)
+fixes scores only up to a constant per row, which changes neither a row's ranking nor the
+ranking of an average over rows; ``adaptive`` (AdaKV), which pools raw scores across the heads
+of a layer, gets no such guarantee.
 
 A ranker checkpoint is a ``jaxkv.checkpoint`` directory whose meta file is ``ranker.json``.
 """
