@@ -12,9 +12,10 @@ variants take in turns):
   eviction alone. (The decode-only variants free the slot they have just written, one
   elementwise op on ``pos``, so that no cache ever overflows.)
 
-Writes ``results/bench_eviction.{json,md}``.
+Writes ``results/bench_eviction.{json,md}`` (``--out PATH``: ``PATH.{json,md}``).
 
     .venv/bin/python scripts/bench_eviction.py [--steps 64] [--context 4096] [--batch 8]
+        [--policy h2o] [--out results/bench_eviction]
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ def main():
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--ratio", type=float, default=0.25)
     ap.add_argument("--policy", default="h2o")
+    ap.add_argument("--out", default=str(RESULTS / "bench_eviction"), help="path without suffix")
     args = ap.parse_args()
     model = jaxkv.load("smollm2-135m")
     cfg, params = model.config, model.params
@@ -89,9 +91,11 @@ def main():
         return decoder.decode_step(params, tok, c, config=cfg)[1]
 
     def evicting(comp, with_decode):
+        state = comp.policy.init()  # None for the heuristics; the weights of a learned policy
+
         def step(c):
             c = decode(c) if with_decode else c
-            return eviction.evict(c, comp, None, key=jax.random.key(0), max_drop=1)
+            return eviction.evict(c, comp, state, key=jax.random.key(0), max_drop=1)
 
         return jax.jit(step, donate_argnums=0)
 
@@ -123,9 +127,10 @@ def main():
     rows = time_interleaved(variants, args.steps)
     report = summarize(rows, full_bytes, small_bytes, args, comps["shared"].stats)
     print(report)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "bench_eviction.md").write_text(report)
-    (RESULTS / "bench_eviction.json").write_text(
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text(report)
+    out.with_suffix(".json").write_text(
         json.dumps(
             dict(
                 args=vars(args),
