@@ -328,6 +328,13 @@ def main() -> None:
 
     rows, failures = [], {}
     kept_out = {}
+
+    def flush() -> dict:  # the tables so far: an interrupted run keeps its finished rows
+        return write(
+            args.dir, rows, failures, n=n, prompt_len=prompt_len, worst=worst, tol=args.tol,
+            start=start, kept_out=kept_out,
+        )  # fmt: skip
+
     for name in names:
         for ratio in ratios:
             t0 = time.time()
@@ -356,32 +363,12 @@ def main() -> None:
                 **summarize(per_window),
             }
             rows.append(row)
-            write(
-                args.dir,
-                rows,
-                failures,
-                n=n,
-                prompt_len=prompt_len,
-                worst=worst,
-                tol=args.tol,
-                start=start,
-                kept_out=kept_out,
-            )
+            flush()
             print(
                 f"{name:38s} r={ratio:<6g} KL {row['kl_mean']:.4f}  ({row['seconds']:.0f} s)",
                 flush=True,
             )
-    out = write(
-        args.dir,
-        rows,
-        failures,
-        n=n,
-        prompt_len=prompt_len,
-        worst=worst,
-        tol=args.tol,
-        start=start,
-        kept_out=kept_out,
-    )
+    out = flush()
     print(f"kvpress: {len(rows)} rows, {len(failures)} failed, {out['seconds']:.0f} s")
 
 

@@ -39,7 +39,7 @@ from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
 from jaxkv.kvlearn.cost import CostModel
 from jaxkv.kvlearn.integrations import VLLM_POLICY_MODULE
-from jaxkv.kvlearn.serving.engine import ServingConfig, decode_queue
+from jaxkv.kvlearn.serving.engine import ServingConfig, finish_record
 from jaxkv.kvlearn.serving.metrics import summarize
 from jaxkv.kvlearn.traces import MooncakeTrace
 
@@ -144,16 +144,7 @@ def replay(
         rec["hit_blocks"][i], rec["hit_tokens"][i] = req.hit, c_tok
     while events:
         _handle(mgr, trace, live, heapq.heappop(events), rec, counts)
-    rec["arrival_s"] = trace.time_s.copy()
-    rec["n_blocks"] = np.array([len(b) for b in trace.blocks], np.int64)
-    rec["input_tokens"] = trace.input_len.astype(np.int64)
-    rec |= decode_queue(
-        rec["arrival_s"] + rec["ttft_ms"] / 1e3,
-        trace.output_len,
-        slots=cfg.decode_nodes * cfg.decode_slots,
-        tpot_ms=cfg.tpot_ms,
-    )
-    rec["e2e_ms"] = (rec["done_s"] - rec["arrival_s"]) * 1e3
+    rec = finish_record(rec, trace, cfg)
     evictions = sum(len(c.evicted) for c in log if c.evicted is not None)
     return rec | counts | {"evictions": evictions, "evict_calls": len(log)}
 

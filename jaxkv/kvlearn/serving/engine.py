@@ -123,6 +123,13 @@ def simulate(
         offer(cache, pol, trace, k, int(rec["hit_blocks"][k]), rec, counts)
     if progress is not None and n:
         progress(n - (n - 1) // _PROGRESS_EVERY * _PROGRESS_EVERY)
+    return finish_record(rec, trace, cfg) | counts | {"evictions": cache.evictions}
+
+
+def finish_record(rec: dict, trace: MooncakeTrace, cfg: ServingConfig) -> dict:
+    """``rec`` (with ``ttft_ms``) completed by the columns every replay ends with: arrival
+    time, block and input-token counts, decode queueing (``decode_queue``) and end-to-end
+    latency."""
     rec["arrival_s"] = trace.time_s.copy()
     rec["n_blocks"] = np.array([len(b) for b in trace.blocks], np.int64)
     rec["input_tokens"] = trace.input_len.astype(np.int64)
@@ -133,7 +140,7 @@ def simulate(
         tpot_ms=cfg.tpot_ms,
     )
     rec["e2e_ms"] = (rec["done_s"] - rec["arrival_s"]) * 1e3
-    return rec | counts | {"evictions": cache.evictions}
+    return rec
 
 
 def decode_queue(ready_s, output_len, *, slots: int, tpot_ms: float) -> dict[str, np.ndarray]:
