@@ -13,7 +13,7 @@ from jaxkv.kvcache import KVCache
 from jaxkv.policies.base import TIER, Policy
 
 
-def _protect_recent(scores_LBKC, cache: KVCache, n_recent_B: jax.Array) -> jax.Array:
+def protect_recent(scores_LBKC, cache: KVCache, n_recent_B: jax.Array) -> jax.Array:
     """Puts the ``n_recent`` most recent tokens of each sequence in the protected tier,
     ranked among themselves by recency (should the budget not hold them all, the newest
     stay); other slots keep their [0, 1) scores."""
@@ -66,7 +66,7 @@ def h2o(recent_fraction: float = 0.5) -> Policy:
 
     def score(state, cache, *, budget_B, **_):
         n_recent = jnp.floor(recent_fraction * budget_B).astype(jnp.int32)
-        return _protect_recent(unit_scale(cache.stats["attn_cum"], cache.pos), cache, n_recent)
+        return protect_recent(unit_scale(cache.stats["attn_cum"], cache.pos), cache, n_recent)
 
     return Policy(
         "h2o", score=score, stats=("attn_cum",), spec=(("recent_fraction", recent_fraction),)
@@ -88,7 +88,7 @@ def snapkv(window: int = 64, kernel: int = 5) -> Policy:
 
     def score(state, cache, *, budget_B, **_):
         votes = unit_scale(_pool_by_position(cache.stats["recent"], cache.pos, kernel), cache.pos)
-        return _protect_recent(votes, cache, jnp.minimum(window, budget_B // 2))
+        return protect_recent(votes, cache, jnp.minimum(window, budget_B // 2))
 
     return Policy(
         "snapkv",

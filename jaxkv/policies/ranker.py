@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jaxkv import checkpoint as checkpoint_lib
 from jaxkv.kvcache import KVCache
 from jaxkv.policies.base import TIER, Policy
+from jaxkv.policies.heuristics import protect_recent
 from jaxkv.policies.learned import checkpoint_path
 
 PREFIX = "ranker:"
@@ -141,10 +142,14 @@ def ranker_policy(
 
     def score(state, cache, *, budget_B, **_):
         s = scores_from_features(state, head_features(cache), cache.valid)
+        if not (recent_fraction or sinks):
+            return s  # the raw log-odds (module docstring)
+        # squashed into [0, 1) under the protected tier (ranking unchanged), as the
+        # heuristics' scores are: raw scores above TIER would outrank protected tokens
         n_recent = jnp.floor(recent_fraction * budget_B).astype(jnp.int32)
-        recent = cache.pos >= (cache.length - n_recent)[None, :, None, None]
-        kept = cache.valid & (recent | (cache.pos < sinks))
-        return jnp.where(kept, TIER + jax.nn.sigmoid(s), s)
+        s = protect_recent(0.999 * jax.nn.sigmoid(s), cache, n_recent)
+        s = jnp.where(cache.pos < sinks, TIER + 1.0, s)  # sinks above everything
+        return jnp.where(cache.valid, s, -jnp.inf)
 
     spec = (*spec, ("recent_fraction", recent_fraction), ("sinks", sinks))
     return Policy(name=name, score=score, init=lambda: params, stats=STATS, spec=spec)
