@@ -12,10 +12,14 @@ variants take in turns):
   eviction alone. (The decode-only variants free the slot they have just written, one
   elementwise op on ``pos``, so that no cache ever overflows.)
 
+With ``--evict-every K`` the compressed cache has K slots of slack and eviction runs after every
+K-th decode step (``Compression.evict_every``, dropping up to K tokens): one timed call of a
+compressed variant is K decode steps and one eviction, reported per decode step.
+
 Writes ``results/bench_eviction.{json,md}`` (``--out PATH``: ``PATH.{json,md}``).
 
     .venv/bin/python scripts/bench_eviction.py [--steps 64] [--context 4096] [--batch 8]
-        [--policy h2o] [--out results/bench_eviction]
+        [--policy h2o] [--evict-every 1] [--out results/bench_eviction]
 """
 
 from __future__ import annotations
@@ -80,6 +84,7 @@ def main():
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--ratio", type=float, default=0.25)
     ap.add_argument("--policy", default="h2o")
+    ap.add_argument("--evict-every", type=int, default=1, help="decode steps per eviction")
     ap.add_argument("--out", default=str(RESULTS / "bench_eviction"), help="path without suffix")
     args = ap.parse_args()
     model = jaxkv.load("smollm2-135m")
@@ -92,10 +97,12 @@ def main():
 
     def evicting(comp, with_decode):
         state = comp.policy.init()  # None for the heuristics; the weights of a learned policy
+        k = comp.evict_every
 
         def step(c):
-            c = decode(c) if with_decode else c
-            return eviction.evict(c, comp, state, key=jax.random.key(0), max_drop=1)
+            if with_decode:
+                c = jax.lax.fori_loop(0, k, lambda _, c: decode(c), c)
+            return eviction.evict(c, comp, state, key=jax.random.key(0), max_drop=k)
 
         return jax.jit(step, donate_argnums=0)
 
@@ -109,7 +116,9 @@ def main():
     variants = {"full": (plain, full)}
     full_bytes = full.nbytes()
     comps = {
-        g: Compression.make(args.policy, ratio=args.ratio, granularity=g)
+        g: Compression.make(
+            args.policy, ratio=args.ratio, granularity=g, evict_every=args.evict_every
+        )
         for g in ("shared", "head")
     }
     cap, budget = comps["shared"].capacity(n_max), comps["shared"].max_budget(n_max)
@@ -125,6 +134,8 @@ def main():
         variants[f"evict_only_{gran}"] = (evicting(comp, False), fresh(comp.stats))
     small_bytes = variants["compressed_shared"][1].nbytes()
     rows = time_interleaved(variants, args.steps)
+    per_call = [k for k in rows if k.startswith(("compressed_", "evict_only_"))]
+    rows.update({k: rows[k] / args.evict_every for k in per_call})  # per decode step
     report = summarize(rows, full_bytes, small_bytes, args, comps["shared"].stats)
     print(report)
     out = Path(args.out)
@@ -148,7 +159,8 @@ def summarize(rows, full_bytes, small_bytes, args, policy_stats):
     ms = {k: 1e3 * v for k, v in rows.items()}
     lines = [
         f"# Eviction benchmark (SmolLM2-135M, batch {args.batch}, context {args.context}, "
-        f"r = {args.ratio}, policy {args.policy}, median of {args.steps} interleaved steps)",
+        f"r = {args.ratio}, policy {args.policy}, evict every {args.evict_every} step(s), "
+        f"median of {args.steps} interleaved calls)",
         "",
         f"The cache carries the statistics the policy reads: {', '.join(policy_stats) or 'none'}"
         " (`decode_stats`); `decode_all_stats` carries all six (what the learned policy's"

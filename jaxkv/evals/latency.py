@@ -79,9 +79,13 @@ def _prefill(params, prompt_BT, cache, key, state, *, config, compression, capac
     return cache
 
 
-@functools.partial(jax.jit, static_argnames=("config",))
-def _decode(params, token_B, cache, *, config):
-    return decoder.decode_step(params, token_B, cache, config=config)
+@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("cache",))
+def _decode_and_forget(params, token_B, cache, *, config):
+    """One decode step on a donated cache (written in place, not copied), then the slot it
+    wrote freed again, so that repeated calls time the same step at the same cache size."""
+    cache = decoder.decode_step(params, token_B, cache, config=config)[1]
+    newest = cache.pos == (cache.length - 1)[None, :, None, None]
+    return cache.replace(pos=jnp.where(newest, kvcache.FREE, cache.pos), length=cache.length - 1)
 
 
 @functools.partial(jax.jit, static_argnames=("compression",))
@@ -114,8 +118,14 @@ def prepared_cache(model: EvalModel, prompt_BT, *, compression, state, n_max: in
 def step_ms(params, cache, *, config, repeats: int, stats=()) -> float:
     """Median ms of a decode step on ``cache`` carrying only the statistics ``stats``."""
     token = jnp.zeros((cache.batch_size,), jnp.int32)
-    lean = cache.replace(stats={n: cache.stats[n] for n in stats})
-    return median_ms(lambda: _decode(params, token, lean, config=config), repeats=repeats)
+    lean = jax.tree.map(jnp.copy, cache.replace(stats={n: cache.stats[n] for n in stats}))
+    box = [lean]  # each call donates the cache the last one returned
+
+    def step():
+        box[0] = _decode_and_forget(params, token, box[0], config=config)
+        return box[0].pos
+
+    return median_ms(step, repeats=repeats)
 
 
 def prefill_ms(model: EvalModel, prompt_BT, *, compression, state, n_max: int) -> float:
