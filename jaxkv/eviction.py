@@ -21,19 +21,22 @@ Granularities: ``shared`` (one token set for every layer and head), ``layer``, `
 (each (layer, KV head) row keeps its own B tokens) and ``adaptive`` (AdaKV, Feng et al.
 2024: per layer and sequence the K heads' scores are pooled and the layer keeps its top
 K * B over all heads; each head keeps what it got, at least ``floor(head_floor * B)`` — kvpress's
-``alpha_safeguard`` — and at most ``floor(head_cap * B)``). Scores are pooled as the policy
-returns them: AdaKV assumes scores comparable across heads (attention probabilities, TOVA,
-K-norm, Expected Attention); H2O and SnapKV scale their heavy-hitter scores into [0, 1) per
-row, so for them the pool compares each head's tokens relative to that head's best.
+``alpha_safeguard`` — and at most ``floor(head_cap * B)``) and ``global`` (the same pool over
+every layer and KV head of a sequence, L * K * B tokens: KVzip's default allocation). Scores
+are pooled as the policy returns them: AdaKV assumes scores comparable across heads
+(attention probabilities, TOVA, K-norm, Expected Attention); H2O and SnapKV scale their
+heavy-hitter scores into [0, 1) per row, so for them the pool compares each head's tokens
+relative to that head's best.
 
 Capacity layout (``Compression.capacity``). The cache is one array ``[L, B, K, C, H]``, so
 every (layer, sequence, KV head) row has the same C slots and free slots carry pos = -1:
 
 * shared / layer / head: ``C = B_max + evict_every`` (decode) or ``B_prompt + n_new``
   (prefill), never more than the full cache; every row holds B tokens after an eviction.
-* adaptive: ``C = floor(head_cap * B_max) + evict_every`` (decode) or
+* adaptive, global: ``C = floor(head_cap * B_max) + evict_every`` (decode) or
   ``floor(head_cap * B_prompt) + n_new`` (prefill). A layer holds exactly K * B tokens after
-  an eviction (fewer only while fewer tokens were seen), spread unevenly over its K rows;
+  an eviction (fewer only while fewer tokens were seen), spread unevenly over its K rows
+  (global: a sequence holds L * K * B, spread over all of its rows);
   the slots a head does not use stay free. The cache so takes ``head_cap`` times the
   memory of ``head`` (2x by default: at r = 0.25 half the full cache instead of a quarter),
   the price of letting a head keep up to ``head_cap * B`` tokens in a fixed-shape array that
@@ -54,7 +57,8 @@ from jaxkv.kvcache import KVCache
 from jaxkv.policies import GRANULARITIES as POLICY_GRANULARITIES
 from jaxkv.policies import Policy, get_policy
 
-GRANULARITIES = (*POLICY_GRANULARITIES, "adaptive")
+POOLED = ("adaptive", "global")  # granularities that pool rows' budgets (per layer, or all)
+GRANULARITIES = (*POLICY_GRANULARITIES, *POOLED)
 PROTOCOLS = ("decode", "prefill")
 
 
@@ -68,17 +72,20 @@ class Compression:
         budget: absolute budget (tokens per sequence) instead of a ratio.
         min_budget: B_min.
         granularity: ``shared`` (one token set for all layers and heads, the paper),
-            ``layer`` (per layer), ``head`` (per layer and KV head) or ``adaptive`` (AdaKV:
-            a layer's K * B tokens pooled over its heads; see the module docstring).
+            ``layer`` (per layer), ``head`` (per layer and KV head), ``adaptive`` (AdaKV:
+            a layer's K * B tokens pooled over its heads) or ``global`` (a sequence's
+            L * K * B tokens pooled over all its rows); see the module docstring.
         evict_every: evict after every k-th decode step (and always after prefill).
         full_heads: fraction of (layer, KV head) pairs that keep every token (the paper's
             head-level hybrid, App. E.3; needs ``granularity="head"``).
         protocol: ``decode`` (evict during decoding, the paper) or ``prefill`` (compress
             once after prefill, kvpress); see the module docstring.
-        head_floor: ``adaptive`` only: each head keeps at least ``floor(head_floor * B)``
-            tokens (AdaKV's safeguard; kvpress's ``alpha_safeguard`` = 0.2).
-        head_cap: ``adaptive`` only: each head keeps at most ``floor(head_cap * B)`` tokens;
-            the cache has that many slots per head (module docstring: capacity layout).
+        head_floor: ``adaptive`` and ``global`` only: each head keeps at least
+            ``floor(head_floor * B)`` tokens (AdaKV's safeguard; kvpress's
+            ``alpha_safeguard`` = 0.2).
+        head_cap: ``adaptive`` and ``global`` only: each head keeps at most
+            ``floor(head_cap * B)`` tokens; the cache has that many slots per head (module
+            docstring: capacity layout).
     """
 
     policy: Policy
@@ -115,7 +122,11 @@ class Compression:
             raise ValueError(
                 f"policy {self.policy.name!r} does not support granularity "
                 f"{self.granularity!r}; it supports {self.policy.granularities}"
-                + (" ('adaptive' needs per-head scores)" if self.granularity == "adaptive" else "")
+                + (
+                    f" ({self.granularity!r} needs per-head scores)"
+                    if self.granularity in POOLED
+                    else ""
+                )
             )
         if not 0 <= self.full_heads < 1:
             raise ValueError(f"full_heads must be in [0, 1), got {self.full_heads}")
@@ -161,8 +172,8 @@ class Compression:
 
     def max_row_tokens(self, budget):
         """Most tokens one (layer, sequence, KV head) row keeps at budget B (int or array):
-        B, or ``floor(head_cap * B)`` under ``adaptive``."""
-        if self.granularity != "adaptive":
+        B, or ``floor(head_cap * B)`` under ``adaptive`` and ``global``."""
+        if self.granularity not in POOLED:
             return budget
         if isinstance(budget, numbers.Integral):
             return math.floor(self.head_cap * budget)
@@ -197,14 +208,14 @@ def _check_int(name: str, value) -> None:
 
 
 def row_granularity(granularity: str) -> str:
-    """The policy granularity a selection granularity needs: ``adaptive`` pools per-head
-    scores, so it needs a policy that supports ``head``."""
-    return "head" if granularity == "adaptive" else granularity
+    """The policy granularity a selection granularity needs: ``adaptive`` and ``global`` pool
+    per-head scores, so they need a policy that supports ``head``."""
+    return "head" if granularity in POOLED else granularity
 
 
 def aggregate(scores, granularity: str, shape_LBKC) -> jax.Array:
     """Averages scores over the axes a granularity shares; returns [L, B, K, C] (broadcast).
-    ``head`` and ``adaptive`` keep per-head scores as they are."""
+    ``head``, ``adaptive`` and ``global`` keep per-head scores as they are."""
     if scores.ndim == 2:  # [B, C]: one score per token
         if granularity != "shared":
             raise ValueError("per-token scores only support granularity 'shared'")
@@ -278,36 +289,50 @@ def evict(
     if max_drop is None:
         max_drop = cache.capacity
     keep = budget_B
-    if compression.granularity == "adaptive":
+    if compression.granularity in POOLED:
+        over_layers = compression.granularity == "global"
         keep = adaptive_budgets(
             scores,
             pos,
             budget_B,
             floor_B=jnp.floor(compression.head_floor * budget_B).astype(jnp.int32),
             cap_B=compression.max_row_tokens(budget_B),
+            over_layers=over_layers,
         )
-        # one head may give up the slots of all K heads' new tokens
-        max_drop = min(max_drop * pos.shape[2], cache.capacity)
+        # one head may give up the slots of all pooled heads' new tokens
+        pooled = pos.shape[2] * (pos.shape[0] if over_layers else 1)
+        max_drop = min(max_drop * pooled, cache.capacity)
     drop = drop_mask(scores, pos, keep, max_drop=max_drop, keep_rows=keep_rows)
     return kvcache.free_slots(cache, drop)
 
 
-def adaptive_budgets(scores_LBKC, pos_LBKC, budget_B, *, floor_B, cap_B) -> jax.Array:
+def adaptive_budgets(
+    scores_LBKC, pos_LBKC, budget_B, *, floor_B, cap_B, over_layers: bool = False
+) -> jax.Array:
     """AdaKV's allocation: how many tokens each (layer, sequence, KV head) row keeps.
 
     Per layer and sequence the heads' occupied slots are pooled and the K * B best kept:
     each head's ``floor`` best first (the safeguard), then the rest by score, a head taking
     at most ``cap`` (ties: lower head first, then higher-ranked slot). With fewer than
-    K * B occupied slots every row keeps all of its own.
+    K * B occupied slots every row keeps all of its own. ``over_layers`` pools the rows of
+    every layer of a sequence instead (``global``: L * K * B tokens; ties: lower layer first).
 
     Args:
-        scores_LBKC: keep-scores per slot (comparable across the heads of a layer).
+        scores_LBKC: keep-scores per slot (comparable across the pooled heads).
         pos_LBKC: slot positions (-1: free).
         budget_B: B per sequence; floor_B, cap_B: per-head bounds ([B] int32).
+        over_layers: pool all layers' rows (``global``) rather than each layer's.
 
     Returns:
-        [L, B, K] int32 tokens per row; each layer's rows sum to min(K * B, occupied).
+        [L, B, K] int32 tokens per row; each pool's rows sum to min(rows * B, occupied).
     """
+    if over_layers:
+        L, B, K, C = scores_LBKC.shape
+        fold = lambda x: x.transpose(1, 0, 2, 3).reshape(1, B, L * K, C)  # noqa: E731
+        kept = adaptive_budgets(
+            fold(scores_LBKC), fold(pos_LBKC), budget_B, floor_B=floor_B, cap_B=cap_B
+        )
+        return kept.reshape(B, L, K).transpose(1, 0, 2)
     L, B, K, C = scores_LBKC.shape
     s = jnp.where(pos_LBKC >= 0, scores_LBKC.astype(jnp.float32), -jnp.inf)
     ranked = -jnp.sort(-s, axis=-1)  # each head's scores, best first

@@ -1,8 +1,9 @@
 """The joint table of scripts/compare_kvpress.sh: jaxkv's and kvpress's rows, sorted by KL.
 
-Reads ``DIR/jaxkv-<granularity>/fidelity.json`` (``python -m jaxkv.eval fidelity --protocol
-prefill``), ``DIR/kvpress.json`` (``compare_kvpress_run.py``), and the kept positions of both
-sides (``DIR/windows.npz``, ``DIR/kvpress_kept.npz``); writes ``OUT.md`` and ``OUT.json``.
+Reads ``DIR/jaxkv-<granularity>[-<more>]/fidelity.json`` (``python -m jaxkv.eval fidelity
+--protocol prefill``; a ``-<more>`` folder adds policies run later), ``DIR/kvpress.json``
+(``compare_kvpress_run.py``), and the kept positions of both sides (``DIR/windows.npz``,
+``DIR/kvpress_kept.npz``); writes ``OUT.md`` and ``OUT.json``.
 Needs numpy only (no torch, no kvpress): it runs in jaxkv's .venv and in the test suite.
 
     .venv/bin/python scripts/compare_kvpress_table.py --dir DIR --out results/kvpress_comparison
@@ -283,7 +284,11 @@ def main() -> None:
     rows = []
     for path in sorted(args.dir.glob("jaxkv-*/fidelity.json")):
         data = json.loads(path.read_text())
-        granularity = path.parent.name.removeprefix("jaxkv-")
+        # the run's own setting; folders like jaxkv-head-more add policies to a granularity
+        config = data["config"]
+        granularity = config.get("granularity") or path.parent.name.split("-")[1]
+        bounds = [f"{k} {config[k]:g}" for k in ("head_floor", "head_cap") if k in config]
+        granularity += f" ({', '.join(bounds)})" if bounds else ""
         rows += jaxkv_rows(data["results"], granularity, complete=data.get("complete", False))
     kv = {}
     if (args.dir / "kvpress.json").is_file():

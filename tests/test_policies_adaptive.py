@@ -112,3 +112,51 @@ def test_capacity_layout_and_settings():
         Compression(
             Policy("tok", score=None, granularities=("shared",)), ratio=0.5, granularity="adaptive"
         )
+
+
+def test_global_pools_every_layer_and_head_of_a_sequence():
+    """``global``: the allocation of one pool over all L * K rows (the written-out reference on
+    the rows of every layer together), and the layers' shares differ."""
+    rng = np.random.default_rng(1)
+    L, B, K, C = 3, 2, 2, 12
+    scores = rng.normal(size=(L, B, K, C)).astype(np.float32) * rng.uniform(0.1, 3, (L, 1, 1, 1))
+    pos = np.where(rng.uniform(size=(L, B, K, C)) < 0.2, -1, 1).astype(np.int32)
+    budget = np.array([4, 3], np.int32)
+    floor, cap = np.array([1, 0], np.int32), np.array([8, 6], np.int32)
+    got = np.asarray(
+        eviction.adaptive_budgets(
+            jnp.asarray(scores),
+            jnp.asarray(pos),
+            jnp.asarray(budget),
+            floor_B=jnp.asarray(floor),
+            cap_B=jnp.asarray(cap),
+            over_layers=True,
+        )
+    )
+    for b in range(B):
+        rows_KC = scores[:, b].reshape(L * K, C)
+        valid = pos[:, b].reshape(L * K, C) >= 0
+        want = _reference_allocation(rows_KC, valid, budget[b], floor[b], cap[b])
+        assert list(got[:, b].reshape(-1)) == want, b
+    assert len(set(got.sum(axis=-1).reshape(-1).tolist())) > 1  # layers got different shares
+
+
+def test_global_eviction_keeps_l_k_b_tokens_and_each_rows_best():
+    cache = kvcache.init_cache(CFG, batch_size=2, capacity=24, stats=("attn",))
+    _, cache = decoder.prefill(PARAMS, TOKENS[:, :24], cache, config=CFG)
+    comp = Compression.make("tova", budget=6, granularity="global")
+    assert comp.capacity(40) == 12 + 1
+    out = eviction.evict(cache, comp, None, key=jax.random.key(0))
+    counts = np.asarray(jnp.sum(out.pos >= 0, axis=-1))  # [L, B, K]
+    L, K = CFG.n_layers, CFG.n_kv_heads
+    np.testing.assert_array_equal(counts.sum(axis=(0, 2)), L * K * 6)
+    attn = np.asarray(cache.stats["attn"])
+    for b in range(2):
+        want = _reference_allocation(
+            attn[:, b].reshape(L * K, 24), np.ones((L * K, 24), bool), 6, 1, 12
+        )
+        assert list(counts[:, b].reshape(-1)) == want
+        for l in range(L):
+            for k in range(K):
+                kept = set(np.flatnonzero(np.asarray(out.pos[l, b, k]) >= 0))
+                assert kept == set(np.argsort(-attn[l, b, k])[: counts[l, b, k]])

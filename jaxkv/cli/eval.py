@@ -64,10 +64,10 @@ def generate_compression(args: argparse.Namespace) -> dict:
         return {}
     if args.ratio is not None and args.budget is not None:
         raise ValueError("give --ratio or --budget, not both")
-    if args.policy == "oracle":
+    if args.policy in ("oracle", "kvzip"):
         raise ValueError(
-            "--policy oracle needs the full-cache attention of a fixed token stream; only "
-            "'fidelity' computes it (python -m jaxkv.eval fidelity --policies oracle,...)"
+            f"--policy {args.policy} needs a full-cache pass over a fixed token stream; only "
+            f"'fidelity' computes it (python -m jaxkv.eval fidelity --policies {args.policy},...)"
         )
     policy = args.policy
     if policy.startswith("learned:"):
@@ -161,7 +161,8 @@ def _generate_flags(parser: argparse.ArgumentParser) -> None:
         "--granularity",
         default=None,
         choices=GRANULARITIES,
-        help="default: shared; adaptive = AdaKV (a layer's budget pooled over its KV heads)",
+        help="default: shared; adaptive = AdaKV (a layer's budget pooled over its KV heads); "
+        "global = one pool over every layer and KV head",
     )
     g.add_argument(
         "--evict-every",

@@ -27,7 +27,7 @@ the full public sets with ``--hub SOURCE``, ``fidelity`` reads WikiText with ``-
 SOURCE`` (a hub name, or a local file or folder in the hub's layout: ``jaxkv.evals.hub``; they
 need the ``hf`` extra). ``fidelity``, ``retrieval`` and ``agreement`` also take ``--protocol
 {decode,prefill}`` (evict at every decode step, or compress the prompt once) and
-``--granularity {shared,layer,head,adaptive}`` (``jaxkv.eviction``; recorded in the result
+``--granularity {shared,layer,head,adaptive,global}`` (``jaxkv.eviction``; recorded in the result
 file's config when not the default); ``fidelity`` also takes ``--kv-dtype {model,int8}``
 (an int8 KV cache, ``jaxkv.kvcache``; recorded likewise); ``fidelity`` alone can run the
 ``oracle`` bound, and ``critical:<policy>`` runs in ``fidelity``, ``retrieval`` and
@@ -48,6 +48,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import math
 import os
 import sys
 import time
@@ -70,7 +71,7 @@ from jaxkv.evals import (
     runner,
 )
 from jaxkv.model.loading import cache_dir
-from jaxkv.policies import CRITICAL_PREFIX, needs_future
+from jaxkv.policies import CRITICAL_PREFIX, needs_window
 
 HEURISTICS = "random,streaming_llm,h2o,snapkv,tova,keydiff,knorm"
 SHIPPED_POLICY = "learned:distillcache_smollm2_cpu"
@@ -159,6 +160,10 @@ def _job(args: argparse.Namespace, command: str) -> runner.Job:
     groups = runner.parse_policies(args.policies)
     _check_families(groups, command)
     selection = {n: getattr(args, n) for n in ("protocol", "granularity") if hasattr(args, n)}
+    if selection.get("protocol") != "prefill" and any(
+        p.name == "kvzip" for g in groups for p in g.members
+    ):
+        raise ValueError("kvzip compresses the prompt once: it needs --protocol prefill")
     return runner.Job(
         model=args.model,
         groups=tuple(groups),
@@ -180,7 +185,8 @@ def _job(args: argparse.Namespace, command: str) -> runner.Job:
 
 
 # Subcommands that can run the policies that need more than a cache: the oracle reads the
-# full-cache attention of a fixed token stream (teacher forcing only); critical: reads the
+# full-cache attention of a fixed token stream, kvzip a reconstruction of each window's prompt
+# (teacher forcing only); critical: reads the
 # model's W_o (bound after the model loads: ``runner.bind_groups``).
 ORACLE_COMMANDS = ("fidelity",)
 CRITICAL_COMMANDS = ("fidelity", "retrieval", "agreement")
@@ -188,11 +194,12 @@ CRITICAL_COMMANDS = ("fidelity", "retrieval", "agreement")
 
 def _check_families(groups, command: str) -> None:
     members = [p for g in groups for p in g.members]
-    if command not in ORACLE_COMMANDS and any(needs_future(p) for p in members):
+    window = [p.name for p in members if needs_window(p)]
+    if command not in ORACLE_COMMANDS and window:
         raise ValueError(
-            f"the oracle policy needs the full-cache attention of a fixed token stream; only "
-            f"{', '.join(ORACLE_COMMANDS)} computes it (it is an upper bound, not a policy to "
-            f"run in {command})"
+            f"the {window[0]} policy needs a full-cache pass over each window of a fixed token "
+            f"stream; only {', '.join(ORACLE_COMMANDS)} computes it"
+            + (" (it is an upper bound, not a policy to run)" if window[0] == "oracle" else "")
         )
     critical = [p.name for p in members if p.name.startswith(CRITICAL_PREFIX)]
     if critical and command not in CRITICAL_COMMANDS:
@@ -244,6 +251,19 @@ def _fidelity_flags(parser: argparse.ArgumentParser) -> None:
         "the full row is the int8 full cache",
     )
     _selection_flags(parser)
+    parser.add_argument(
+        "--head-floor",
+        type=flags.float_range(0.0, 1.0, lo_open=False, hi_open=False),
+        default=None,
+        help="adaptive/global: each KV head keeps at least floor(x*B) tokens (default 0.2)",
+    )
+    parser.add_argument(
+        "--head-cap",
+        type=flags.float_range(1.0, math.inf, lo_open=False, hi_open=True),
+        default=None,
+        help="adaptive/global: each KV head keeps at most floor(x*B) tokens, and has that many "
+        "slots (default 2; a cap of 1/r or more keeps no memory: kvpress's masked KVzip)",
+    )
 
 
 def _selection_flags(parser: argparse.ArgumentParser) -> None:
@@ -260,7 +280,8 @@ def _selection_flags(parser: argparse.ArgumentParser) -> None:
         default="shared",
         choices=eviction.GRANULARITIES,
         help="shared: one token set for all layers and heads (the paper); layer; head; "
-        "adaptive: AdaKV, a layer's K*B tokens pooled over its KV heads (2x the slots of head)",
+        "adaptive: AdaKV, a layer's K*B tokens pooled over its KV heads (2x the slots of head); "
+        "global: one pool of L*K*B tokens over every layer and KV head (KVzip's; 2x the slots)",
     )
 
 
@@ -276,6 +297,8 @@ def _fidelity(args: argparse.Namespace, job: runner.Job) -> report.ResultStore:
         wikitext_config=args.wikitext_config or hub.WIKITEXT_CONFIG,
         wikitext_split=args.wikitext_split or "test",
         kv_dtype=args.kv_dtype,
+        head_floor=args.head_floor,
+        head_cap=args.head_cap,
     )
 
 

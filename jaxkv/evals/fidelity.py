@@ -26,6 +26,11 @@ queries pay under the full cache: a second full-cache pass per batch of windows 
 (``generate.full_cache_attention``). It is the upper bound to report beside the policies, and
 runs outside the switch of the others (its state is that attention, per batch).
 
+``kvzip`` (``jaxkv.policies.kvzip``) is scored the same way from the prompt alone: a
+full-cache pass over ``prompt + repeat request + prompt`` gives, per prompt position, the most
+attention a reconstruction query pays it. It compresses once, so it needs
+``protocol="prefill"``, and it also runs outside the switch.
+
 With ``kv_dtype="int8"`` (``--kv-dtype int8``) every stream but the reference runs on an int8
 KV cache (``jaxkv.kvcache``): the reference stays the full cache in the model's dtype, the
 ``full`` row is the int8 full cache (what int8 alone costs), and each policy at r = 1 equals
@@ -54,9 +59,10 @@ from jaxkv.evals.runner import (
     switch_policy,
     switch_state,
 )
-from jaxkv.eviction import Compression
+from jaxkv.eviction import POOLED, Compression
 from jaxkv.generate import full_cache_attention, teacher_forced
-from jaxkv.policies import needs_future
+from jaxkv.policies import kvzip as kvzip_lib
+from jaxkv.policies import needs_window
 from jaxkv.policies import oracle as oracle_lib
 
 NAME = "fidelity"
@@ -74,9 +80,11 @@ class FidelitySettings:
         batch_size: windows per compiled call (the last batch is padded by repetition).
         min_budget: B_min of every compression.
         protocol: ``decode`` (evict at every step) or ``prefill`` (compress once).
-        granularity: ``shared``, ``layer``, ``head`` or ``adaptive``.
+        granularity: ``shared``, ``layer``, ``head``, ``adaptive`` or ``global``.
         kv_dtype: the compared streams' key/value storage, ``model`` (the model's dtype) or
             ``int8`` (an int8 KV cache; the reference always keeps the model's).
+        head_floor, head_cap: the pooled granularities' per-head bounds
+            (``Compression.head_floor`` / ``head_cap``); None: ``Compression``'s defaults.
     """
 
     prompt_len: int = 256
@@ -85,10 +93,18 @@ class FidelitySettings:
     protocol: str = "decode"
     granularity: str = "shared"
     kv_dtype: str = "model"
+    head_floor: float | None = None
+    head_cap: float | None = None
 
     def __post_init__(self):
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
+
+    @property
+    def pooling(self) -> dict:
+        """The per-head bounds given, as ``Compression`` keyword arguments."""
+        bounds = {"head_floor": self.head_floor, "head_cap": self.head_cap}
+        return {k: v for k, v in bounds.items() if v is not None}
 
     @property
     def cache_dtype(self) -> str | None:
@@ -107,21 +123,18 @@ def stream_logits(
 ) -> np.ndarray:
     """Teacher-forced logits [N, T - prompt_len, V] of every window, in fixed-size batches.
 
-    A policy that reads the future (the oracle) gets, per batch, the full-cache attention of
-    the batch's future queries as its state (``policy_state`` is then ignored)."""
+    A policy that reads the window (the oracle, kvzip) gets its state from each batch
+    (``window_state``; ``policy_state`` is then ignored)."""
     n, b = len(windows_NT), min(settings.batch_size, len(windows_NT))
-    future = compression is not None and needs_future(compression.policy)
+    from_window = compression is not None and needs_window(compression.policy)
     out = []
     for start in range(0, n, b):
         chunk = windows_NT[start : start + b]
         real = len(chunk)
         if real < b:  # keep one compiled shape: pad with copies of the last window
             chunk = np.concatenate([chunk, np.repeat(chunk[-1:], b - real, axis=0)])
-        if future:
-            attn = full_cache_attention(
-                model.params, chunk, prompt_len=settings.prompt_len, config=model.config
-            )
-            policy_state = oracle_lib.future_attention(attn, first_query=settings.prompt_len)
+        if from_window:
+            policy_state = window_state(model, compression.policy, chunk, settings.prompt_len)
         logits, _ = teacher_forced(
             model.params,
             chunk,
@@ -134,6 +147,44 @@ def stream_logits(
         )
         out.append(np.asarray(logits)[:real])
     return np.concatenate(out)
+
+
+def window_state(model: EvalModel, policy, windows_BT: np.ndarray, prompt_len: int):
+    """The state of a policy that reads the windows themselves: the oracle's future attention,
+    or kvzip's reconstruction scores of the prompts (module docstring)."""
+    if policy.name == oracle_lib.NAME:
+        attn = full_cache_attention(
+            model.params, windows_BT, prompt_len=prompt_len, config=model.config
+        )
+        return oracle_lib.future_attention(attn, first_query=prompt_len)
+    prompt = windows_BT[:, :prompt_len]
+    repeat = np.tile(repeat_ids(model.tokenizer), (len(prompt), 1))
+    tokens = np.concatenate([prompt, repeat, prompt, prompt[:, -1:]], axis=1)  # last: a query
+    attn = full_cache_attention(model.params, tokens, prompt_len=prompt_len, config=model.config)
+    return kvzip_lib.reconstruction(attn, prompt_len)
+
+
+def repeat_ids(tokenizer) -> np.ndarray:
+    """kvzip's repeat request: ``kvzip.REPEAT_PROMPT`` and what the chat template puts between
+    a user's message and the assistant's answer (kvpress's suffix; a newline without a
+    template), without special tokens added around them."""
+    suffix = "\n"
+    if getattr(tokenizer, "chat_template", None):
+        dummy, sep = "dummy context", "\n" + "#" * len("dummy context")
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": dummy + sep}], tokenize=False, add_generation_prompt=True
+        )
+        suffix = text.split(sep)[1]
+    return np.asarray(
+        [i for t in (kvzip_lib.REPEAT_PROMPT, suffix) for i in _plain_ids(tokenizer, t)],
+        np.int32,
+    )
+
+
+def _plain_ids(tokenizer, text: str) -> list[int]:
+    if isinstance(tokenizer, runner.ByteTokenizer):
+        return tokenizer.encode(text)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def _scores(ref_NSV: np.ndarray, logits_NSV: np.ndarray, targets_NS: np.ndarray) -> dict:
@@ -174,7 +225,7 @@ def run(
         )
     targets = windows_NT[:, settings.prompt_len :]
     groups = runner.bind_groups(groups, model)
-    members = [p for g in groups if not g.is_full for p in g.members if not needs_future(p)]
+    members = [p for g in groups if not g.is_full for p in g.members if not needs_window(p)]
     n_cells = len(ratios) * sum(1 if g.is_full else len(g.runs(seeds)) for g in groups)
     exact = dataclasses.replace(settings, kv_dtype="model")
     with report.progress(n_cells + 1, desc=NAME) as bar:
@@ -192,13 +243,14 @@ def run(
                     min_budget=settings.min_budget,
                     protocol=settings.protocol,
                     granularity=settings.granularity,
+                    **settings.pooling,
                 )
             for group in groups:
                 for member, seed in [(None, seeds[0])] if group.is_full else group.runs(seeds):
                     if member is None:
                         cell = full_cell
                     else:
-                        if needs_future(member):
+                        if needs_window(member):
                             member_comp, state = _alone(member, ratio, settings), None
                         else:
                             member_comp = comp
@@ -236,13 +288,14 @@ def _full_cell(model, windows_NT, ref, targets, settings: FidelitySettings, grou
 
 
 def _alone(policy, ratio: float, settings: FidelitySettings) -> Compression:
-    """The Compression of one policy run outside the switch (the oracle)."""
+    """The Compression of one policy run outside the switch (the oracle, kvzip)."""
     return Compression(
         policy=policy,
         ratio=ratio,
         min_budget=settings.min_budget,
         granularity=settings.granularity,
         protocol=settings.protocol,
+        **settings.pooling,
     )
 
 
@@ -330,19 +383,24 @@ def _non_default_selection(settings: FidelitySettings) -> dict:
     default = FidelitySettings()
     return {
         name: getattr(settings, name)
-        for name in ("protocol", "granularity", "kv_dtype")
+        for name in ("protocol", "granularity", "kv_dtype", "head_floor", "head_cap")
         if getattr(settings, name) != getattr(default, name)
     }
 
 
-def check_selection(job: Job) -> None:
-    """Every evicting policy of ``job`` supports its granularity and protocol (raises the
-    ``Compression`` error naming the policy, before the model loads)."""
+def check_selection(job: Job, **pooling) -> None:
+    """Every evicting policy of ``job`` supports its granularity and protocol, and the
+    ``pooling`` bounds are valid (raises the ``Compression`` error naming the policy, before
+    the model loads)."""
     for group in job.groups:
         for policy in group.members:
             if policy.evicts:
                 Compression(
-                    policy=policy, ratio=1.0, granularity=job.granularity, protocol=job.protocol
+                    policy=policy,
+                    ratio=1.0,
+                    granularity=job.granularity,
+                    protocol=job.protocol,
+                    **pooling,
                 )
 
 
@@ -366,6 +424,8 @@ def evaluate(
     wikitext_config: str = hub.WIKITEXT_CONFIG,
     wikitext_split: str = "test",
     kv_dtype: str = "model",
+    head_floor: float | None = None,
+    head_cap: float | None = None,
 ) -> report.ResultStore:
     """Cuts the text into ``job.limit`` windows and runs ``run``; returns the finished store.
 
@@ -380,6 +440,8 @@ def evaluate(
         wikitext_config: its config.
         wikitext_split: its split.
         kv_dtype: ``model`` or ``int8`` (``FidelitySettings.kv_dtype``).
+        head_floor, head_cap: per-head bounds of ``adaptive`` and ``global`` (None: the
+            defaults; an error with any other granularity).
 
     Raises:
         ValueError, FileNotFoundError: ``prompt_len`` not below ``window``, a policy that
@@ -388,7 +450,12 @@ def evaluate(
         ImportError: ``wikitext`` without the ``datasets`` extra.
     """
     check_prompt_len(window=window, prompt_len=prompt_len)
-    check_selection(job)
+    pooling = {"head_floor": head_floor, "head_cap": head_cap}
+    pooling = {k: v for k, v in pooling.items() if v is not None}
+    if pooling and job.granularity not in POOLED:
+        names = "/".join("--" + k.replace("_", "-") for k in pooling)
+        raise ValueError(f"{names}: only with --granularity adaptive or global")
+    check_selection(job, **pooling)
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
     if text is not None and wikitext is not None:
@@ -411,6 +478,7 @@ def evaluate(
         protocol=job.protocol,
         granularity=job.granularity,
         kv_dtype=kv_dtype,
+        **pooling,
     )
     store = report.ResultStore(
         job.out,

@@ -16,8 +16,9 @@
   the 30-layer model costs ~25 s, so compiling once per (ratio, shape) instead of once per
   (policy, ratio, shape) is what keeps the suite's runs short. The selection is the member's
   own: each branch aggregates its scores with the member granularity, and the outer
-  ``Compression`` uses granularity ``"head"`` (no further averaging; ``"adaptive"`` when the
-  members' is), so the kept tokens and the logits equal a run with the member alone (tested).
+  ``Compression`` uses granularity ``"head"`` (no further averaging; the members' when it
+  pools rows, ``"adaptive"`` or ``"global"``), so the kept tokens and the logits equal a run
+  with the member alone (tested).
 * ``bind_groups``: the groups with each policy bound to the model it reads
   (``jaxkv.policies.with_model``: ``critical:`` reads W_o), after the model loads.
 """
@@ -348,15 +349,19 @@ def switch_compression(
     min_budget: int = 32,
     protocol: str = "decode",
     granularity: str = "shared",
+    **pooling,
 ) -> Compression:
     """The Compression of a switch policy at ``ratio``; ``granularity`` is the members' (that
-    of ``switch_policy``): the outer one is ``"head"``, or ``"adaptive"`` (see module)."""
+    of ``switch_policy``): the outer one is ``"head"``, or the members' when it pools rows
+    (``"adaptive"``, ``"global"``; see module), with ``pooling``'s ``head_floor`` /
+    ``head_cap`` if given."""
     return Compression(
         policy=policy,
         ratio=ratio,
         min_budget=min_budget,
-        granularity="adaptive" if granularity == "adaptive" else "head",
+        granularity=granularity if granularity in eviction.POOLED else "head",
         protocol=protocol,
+        **pooling,
     )
 
 

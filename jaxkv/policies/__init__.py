@@ -3,7 +3,8 @@
 ``get_policy(name, **settings)`` builds a ``Policy`` by name: ``full``, ``random``,
 ``streaming_llm``, ``h2o``, ``snapkv``, ``tova``, ``keydiff``, ``knorm``,
 ``expected_attention`` (Expected Attention: ``jaxkv.policies.expected``), ``oracle`` (the
-future-attention upper bound, fidelity only: ``jaxkv.policies.oracle``),
+future-attention upper bound, fidelity only: ``jaxkv.policies.oracle``), ``kvzip`` (KVzip's
+context-reconstruction scores, fidelity's prefill protocol only: ``jaxkv.policies.kvzip``),
 ``critical:<policy>`` (CriticalKV over any other policy: ``jaxkv.policies.critical``),
 ``ranker:<checkpoint>`` (the supervised per-head ranker: ``jaxkv.policies.ranker``), or
 ``learned:<checkpoint>`` (a folder written by ``python -m jaxkv.train distillcache``, or the
@@ -17,7 +18,7 @@ import dataclasses
 import functools
 from collections.abc import Callable
 
-from jaxkv.policies import critical, expected, heuristics, learned, oracle, ranker
+from jaxkv.policies import critical, expected, heuristics, kvzip, learned, oracle, ranker
 from jaxkv.policies.base import GRANULARITIES, TIER, Policy
 
 LEARNED_PREFIX = "learned:"
@@ -35,6 +36,7 @@ _REGISTRY: dict[str, Callable[..., Policy]] = {
     "knorm": heuristics.knorm,
     expected.NAME: expected.expected_attention,
     oracle.NAME: oracle.oracle,
+    kvzip.NAME: kvzip.kvzip,
 }
 
 
@@ -60,7 +62,7 @@ def get_policy(name: str, **settings) -> Policy:
     """
     if name.startswith(CRITICAL_PREFIX):
         inner = name.removeprefix(CRITICAL_PREFIX)
-        if inner == oracle.NAME or inner.startswith(CRITICAL_PREFIX):
+        if inner in (oracle.NAME, kvzip.NAME) or inner.startswith(CRITICAL_PREFIX):
             raise ValueError(f"{name!r}: critical: wraps a scoring policy, not {inner!r}")
         return critical.critical(get_policy(inner), **settings)
     if name.startswith(LEARNED_PREFIX):
@@ -82,9 +84,10 @@ def with_model(policy: Policy, params: dict) -> Policy:
     return dataclasses.replace(policy, init=init)
 
 
-def needs_future(policy: Policy) -> bool:
-    """True for the oracle, whose state only a teacher-forced run can compute."""
-    return policy.name == oracle.NAME
+def needs_window(policy: Policy) -> bool:
+    """True for the policies whose state only the fidelity evaluation computes, from each
+    window it runs: the oracle reads the window's future, kvzip reconstructs its prompt."""
+    return policy.name in (oracle.NAME, kvzip.NAME)
 
 
 __all__ = [
@@ -94,7 +97,7 @@ __all__ = [
     "TIER",
     "Policy",
     "get_policy",
-    "needs_future",
+    "needs_window",
     "policy_names",
     "with_model",
 ]

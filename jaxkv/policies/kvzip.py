@@ -1,0 +1,82 @@
+"""``kvzip``: KVzip-style context-reconstruction scoring (Kim et al., 2025, arXiv 2505.23416),
+compress-once.
+
+After the prompt (the context) is prefilled, the model reads a request to repeat it and then
+the context itself again, teacher-forced, under the full cache. A context token's score, per
+(layer, KV head), is the most attention any query of that reconstruction pass gives it: the
+tokens the model must look at to reproduce its context are the ones worth keeping, whatever
+the question that comes later. The first ``n_sink`` positions are always kept.
+
+As kvpress's ``KVzipPress`` (0.5.5), with these departures:
+
+* the attention is the mean over the KV group's G query heads before the max over queries
+  (the ``attn`` statistic of ``jaxkv.generate.full_cache_attention``); KVzip takes the max
+  over the group's heads too;
+* the whole prompt is the context, in one chunk (kvpress reconstructs chunks of 2048 tokens
+  and, with a chat template, leaves the template's prefix tokens unscored);
+* the reconstruction queries attend over the whole cache; kvpress's over the sinks, the chunk
+  and the repeat tokens, which is the same set when the context is one chunk;
+* the budget is jaxkv's: per row (``head``), per layer (``adaptive``, AdaKV's pool over a
+  layer's heads, kvpress's ``layerwise=True``), or shared; kvpress's default pools all layers.
+
+Its state, ``Reconstruction``, is computed from the prompt by the fidelity evaluation
+(``jaxkv.evals.fidelity``), the only caller that holds the prompt when it compresses; the
+``prefill`` protocol only: tokens generated after the one eviction have no score.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxkv.policies.base import TIER, Policy
+
+NAME = "kvzip"
+REPEAT_PROMPT = "\n\nRepeat the previous context exactly."  # kvpress's first-chunk prompt
+N_SINK = 4  # kvpress's default
+
+
+@struct.dataclass
+class Reconstruction:
+    """kvzip's state: ``scores[L, B, K, S]``, the score of every prompt position (sinks
+    included, at ``TIER``)."""
+
+    scores: jax.Array
+
+
+def reconstruction(
+    attn_QLBKT: jax.Array, prompt_len: int, *, n_sink: int = N_SINK
+) -> Reconstruction:
+    """kvzip's state from the reconstruction pass's attention rows.
+
+    Args:
+        attn_QLBKT: attention of the reconstruction queries (the repeat prompt and the copy of
+            the context that follow the prompt) over positions, mean over each KV group
+            (``jaxkv.generate.full_cache_attention`` of ``prompt + repeat + prompt + [any]``).
+        prompt_len: S, the prompt tokens; positions ``>= S`` are the reconstruction's own.
+        n_sink: the first positions, always kept.
+    """
+    scores = jnp.max(attn_QLBKT[..., :prompt_len].astype(jnp.float32), axis=0)
+    sink = jnp.arange(prompt_len) < n_sink
+    return Reconstruction(scores=jnp.where(sink, TIER + scores, scores))
+
+
+def kvzip() -> Policy:
+    """KVzip's reconstruction scores (the module docstring); the state is ``reconstruction``'s."""
+
+    def init():
+        raise ValueError(
+            "the kvzip policy needs the prompt's reconstruction pass; only the fidelity "
+            "evaluation computes it (python -m jaxkv.eval fidelity --protocol prefill "
+            "--policies kvzip,...)"
+        )
+
+    def score(state: Reconstruction, cache, **_):
+        S = state.scores.shape[-1]
+        later = cache.pos >= S  # generated after the eviction (the prefill protocol keeps them)
+        idx = jnp.clip(cache.pos, 0, S - 1)
+        prompt = jnp.take_along_axis(state.scores, idx, axis=-1)
+        return jnp.where(later, 2 * TIER, prompt)
+
+    return Policy(NAME, score=score, init=init)
