@@ -47,11 +47,24 @@ selection rule.
   score there and are dropped: with deterministic runs they cannot be chosen over ``gd``.
   The expert settings were added, and this grid and the rule below fixed, before the second
   run; the expert variants were developed on the first 2,000 requests of the shipped trace
-  only: ``docs/kvlearn.md``.)
-* Rule for held-out workload W: for each setting g, score(g) = the mean over the four other
-  workloads × three pools of KVLearn_g's mean TTFT / the best classical baseline's mean TTFT
-  in that cell (the best chosen per cell). Choose the lowest score (ties: grid order). Then
-  report W's cells at the three pools for every policy and KVLearn with the chosen setting.
+  only: ``docs/kvlearn.md``.) Third run (this grid and rule, fixed before it): the guarded
+  KVLearn (``kvlearn_experts`` with ``choice="guard"``: the ``gd`` learner evicts only while
+  the real pool's queue-free TTFT stays within (1 + slack) of the best classical baseline run
+  beside it in a shadow pool, else that baseline's pool is followed) over ``mooncake``
+  (``guard:moon``) and over ``mooncake`` + ``cost_aware`` (``guard:moon+ca``, slack 0.5 % and
+  1 %), and the shadow pools with leader-follow (``shadow+follow:gd+gdsf+lru+lfu``); dropped:
+  ``shadow:gd+gdsf+lru``, whose cells equalled ``shadow:gd+gdsf+lru+lfu``'s in 14 of 15 in the
+  second run. The guard was developed on workloads outside the protocol (seed-1 ``chat``,
+  ``agent``, ``rag``, ``mmsession``). Found after the third run: ``kvlearn_experts``' default
+  ``choice`` had become ``"shadow"`` after the second run, so in the third run
+  ``experts:lru+gd`` ran shadow pools over lru + gd, not LeCaR; the entry now says so.
+* Rule for held-out workload W (third run; it reads p99 too): for each setting g, over the
+  four other workloads × three pools, fails(g) = the cells where KVLearn_g's mean TTFT is more
+  than 1.01 × the cell's best classical mean or its p99 more than 1.01 × the lowest classical
+  p99 (the goal, cell by cell), and score(g) = the mean over those cells of (mean ratio + p99
+  ratio) / 2. Choose the fewest fails, then the lowest score (ties: grid order). Then report
+  W's cells at the three pools for every policy and KVLearn with the chosen setting. (The
+  first two runs chose by the mean ratio alone.)
   W's own rows never enter its score. (Every grid setting is simulated on every workload once,
   since each workload tunes the other four folds; W's fold reads only the other rows, and its
   evaluation cell is that same deterministic run of the chosen setting. The JSON also names
@@ -110,14 +123,10 @@ BOUNDS = ("belady", "oracle_static", "infinite")
 PROTOCOL_GRID = {
     "gd+write": {"retention": "gd", "write_cost": True},
     "gd": {"retention": "gd", "write_cost": False},
-    "experts:lru+gd": {
-        "policy": "kvlearn_experts",
-        "experts": ["lru", "gd"],
+    "experts:lru+gd": {  # ran as LeCaR in runs 1-2; kvlearn_experts' default choice became
+        "policy": "kvlearn_experts",  # "shadow" after run 2, so run 3 ran shadow pools over
+        "experts": ["lru", "gd"],  # lru + gd under this name: pinned here to what run 3 ran
         "cost_weighted": True,
-    },
-    "shadow:gd+gdsf+lru": {
-        "policy": "kvlearn_experts",
-        "experts": ["gd", "gdsf", "lru"],
         "choice": "shadow",
     },
     "shadow:gd+gdsf+lru+lfu": {
@@ -125,7 +134,35 @@ PROTOCOL_GRID = {
         "experts": ["gd", "gdsf", "lru", "lfu"],
         "choice": "shadow",
     },
+    "shadow+follow:gd+gdsf+lru+lfu": {
+        "policy": "kvlearn_experts",
+        "experts": ["gd", "gdsf", "lru", "lfu"],
+        "choice": "shadow",
+        "follow": True,
+    },
+    "guard:moon": {
+        "policy": "kvlearn_experts",
+        "experts": ["gd"],
+        "choice": "guard",
+        "baselines": ["mooncake"],
+        "slack": 0.005,
+    },
+    "guard:moon+ca": {
+        "policy": "kvlearn_experts",
+        "experts": ["gd"],
+        "choice": "guard",
+        "baselines": ["mooncake", "cost_aware"],
+        "slack": 0.005,
+    },
+    "guard:moon+ca,1%": {
+        "policy": "kvlearn_experts",
+        "experts": ["gd"],
+        "choice": "guard",
+        "baselines": ["mooncake", "cost_aware"],
+        "slack": 0.01,
+    },
 }
+GOAL_RATIO = 1.01  # the issue's bound on KVLearn / best classical, mean and p99, per cell
 LEARNED = ("kvlearn", "kvlearn_experts")  # never a baseline; ``kvlearn`` in the tables = chosen
 PROTOCOL_REQUESTS = {"chat": 6000, "agent": 3000, "rag": 6000}
 PROTOCOL_MM = (600, 3)  # MM-Session sessions, seed
@@ -162,6 +199,12 @@ def main() -> None:
         "first, first in the process, includes JIT compilation), 25 %% pool; writes "
         "serving_speed.json",
     )
+    p.add_argument(
+        "--speed-one",
+        metavar="NAME",
+        help="time one simulation of --trace (25 %% pool) by one block policy or protocol grid "
+        "setting, as the first run of this fresh process; adds it to serving_speed_one.json",
+    )
     p.add_argument("--tune", help="JSON {variant: BlockKVLearn kwargs}: tuning split only")
     p.add_argument("--seeds", default="0,1,2", help="PRP seeds per variant for --tune")
     p.add_argument("--protocol", action="store_true", help="leave-one-workload-out protocol")
@@ -185,6 +228,8 @@ def main() -> None:
     base = traces_lib.load_mooncake_trace(traces_lib.trace_path(args.trace))
     if args.speed:
         return speed(base, cost, args.prefill_nodes, Path(args.out))
+    if args.speed_one:
+        return speed_one(base, args.trace, args.speed_one, cost, args.prefill_nodes, Path(args.out))
     if args.tune:
         seeds = [int(x) for x in args.seeds.split(",")]
         return tune(base, cost, json.loads(args.tune), seeds, args.prefill_nodes)
@@ -249,6 +294,38 @@ def speed(tr: traces_lib.MooncakeTrace, cost: CostModel, nodes: int, out: Path) 
     out.mkdir(parents=True, exist_ok=True)
     meta = {"requests": len(tr), "block_accesses": blocks, "pool_blocks": cfg.pool_blocks}
     (out / "serving_speed.json").write_text(json.dumps(meta | {"runs": runs}, indent=2))
+
+
+def speed_one(
+    tr: traces_lib.MooncakeTrace, trace: str, name: str, cost: CostModel, nodes: int, out: Path
+) -> None:
+    """Times one simulation of the whole trace (25 % pool of its distinct blocks) by ``name``
+    (a block policy or a ``PROTOCOL_GRID`` setting), the first in this process (so compilation
+    is included); records it under (trace, name) in serving_speed_one.json: wall and CPU time
+    of this process (all its threads: on a shared machine the wall time also counts waiting)."""
+    policy, kw = _grid_policy(PROTOCOL_GRID[name]) if name in PROTOCOL_GRID else (name, {})
+    cfg = engine.ServingConfig(pool_blocks=int(0.25 * _distinct(tr)), prefill_nodes=nodes)
+    load = os.getloadavg()[0]
+    t0, c0 = time.perf_counter(), time.process_time()
+    engine.simulate(tr, policy, cfg=cfg, cost=cost, **kw)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    blocks = sum(len(b) for b in tr.blocks)
+    print(
+        f"{name}: {wall:.2f} s, CPU {cpu:.2f} s ({len(tr)} requests, {blocks} block accesses, "
+        f"load {load:.2f})"
+    )
+    path = out / "serving_speed_one.json"
+    doc = json.loads(path.read_text()) if path.exists() else {}
+    doc[f"{trace} | {name}"] = {
+        "requests": len(tr),
+        "block_accesses": blocks,
+        "pool_blocks": cfg.pool_blocks,
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "load_1min": load,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=2))
 
 
 def tuning_split(tr: traces_lib.MooncakeTrace, nodes: int) -> dict:
@@ -409,23 +486,36 @@ def protocol_report(path: Path) -> None:
     print(md)
 
 
-def _tuning_score(runs: dict, names: list[str], setting: str, classical: list[str]) -> float:
-    """Mean over ``names`` × pools of KVLearn(setting)'s mean TTFT / the cell's best classical."""
-    ratios = []
+def _tuning_ratios(runs: dict, names: list[str], setting: str, classical: list[str]):
+    """[(mean ratio, p99 ratio)] of KVLearn(setting) over ``names`` × pools: its mean TTFT over
+    the cell's best classical mean, its p99 over the lowest classical p99."""
+    out = []
     for w in names:
         for frac in FRACS:
+            kv = runs[(w, frac, f"kvlearn:{setting}")]
             best = min(runs[(w, frac, c)]["ttft_ms_mean"] for c in classical)
-            ratios.append(runs[(w, frac, f"kvlearn:{setting}")]["ttft_ms_mean"] / best)
-    return float(np.mean(ratios))
+            best_p99 = min(runs[(w, frac, c)]["ttft_ms_p99"] for c in classical)
+            out.append((kv["ttft_ms_mean"] / best, kv["ttft_ms_p99"] / best_p99))
+    return out
+
+
+def _tuning_score(runs: dict, names: list[str], setting: str, classical: list[str]) -> tuple:
+    """(fails, score) of the rule: cells whose mean or p99 ratio exceeds ``GOAL_RATIO``, and the
+    mean over the cells of (mean ratio + p99 ratio) / 2."""
+    r = _tuning_ratios(runs, names, setting, classical)
+    fails = sum(m > GOAL_RATIO or p > GOAL_RATIO for m, p in r)
+    return fails, float(np.mean([(m + p) / 2 for m, p in r]))
 
 
 def protocol_fold(held: str, names: list[str], runs: dict, classical: list[str]) -> dict:
     """The fold holding out ``held``: the setting chosen on the other workloads, then ``held``'s
     cells (every policy; ``kvlearn`` = the chosen setting)."""
     others = [w for w in names if w != held]
-    scores = {g: _tuning_score(runs, others, g, classical) for g in PROTOCOL_GRID}
-    chosen = min(PROTOCOL_GRID, key=lambda g: scores[g])  # ties: grid order (min is stable)
-    hindsight = {g: _tuning_score(runs, [held], g, classical) for g in PROTOCOL_GRID}
+    rule = {g: _tuning_score(runs, others, g, classical) for g in PROTOCOL_GRID}
+    chosen = min(PROTOCOL_GRID, key=lambda g: rule[g])  # ties: grid order (min is stable)
+    held_rule = {g: _tuning_score(runs, [held], g, classical) for g in PROTOCOL_GRID}
+    scores = {g: rule[g][1] for g in PROTOCOL_GRID}
+    hindsight = {g: held_rule[g][1] for g in PROTOCOL_GRID}
     cells = []
     for frac in FRACS:
         pol = {
@@ -455,9 +545,11 @@ def protocol_fold(held: str, names: list[str], runs: dict, classical: list[str])
         "held_out": held,
         "tuned_on": others,
         "scores": scores,
+        "fails": {g: rule[g][0] for g in PROTOCOL_GRID},
         "chosen": chosen,
         "hindsight_scores": hindsight,
-        "hindsight_best": min(PROTOCOL_GRID, key=lambda g: hindsight[g]),
+        "hindsight_fails": {g: held_rule[g][0] for g in PROTOCOL_GRID},
+        "hindsight_best": min(PROTOCOL_GRID, key=lambda g: held_rule[g]),
         "cells": cells,
     }
 
@@ -606,9 +698,10 @@ def protocol_markdown(
     grid = list(meta["grid"])
     lines += [
         "",
-        "Tuning scores (mean KVLearn / best classical mean TTFT over the 4 tuning workloads × 3 "
-        "pools; the lowest is chosen) and, for information only, the same score on the "
-        "held-out workload (never used):",
+        "Tuning scores (fails / score over the 4 tuning workloads × 3 pools: cells with a mean "
+        f"or p99 ratio above {GOAL_RATIO}, and the mean of (mean ratio + p99 ratio) / 2; the "
+        "fewest fails, then the lowest score, is chosen) and, for information only, the same on "
+        "the held-out workload (never used):",
         "",
         "| held out | "
         + " | ".join(grid)
@@ -620,9 +713,9 @@ def protocol_markdown(
     for f in folds:
         lines.append(
             f"| {f['held_out']} | "
-            + " | ".join(f"{f['scores'][g]:.3f}" for g in grid)
+            + " | ".join(_score_cell(f, g, "") for g in grid)
             + f" | {f['chosen']} | "
-            + " | ".join(f"{f['hindsight_scores'][g]:.3f}" for g in grid)
+            + " | ".join(_score_cell(f, g, "hindsight_") for g in grid)
             + f" | {f['hindsight_best']} |"
         )
     lines += _settings_markdown(runs, meta) if runs else []
@@ -639,6 +732,13 @@ def protocol_markdown(
         for p in f["cells"][0]["policies"]:
             lines.append(f"| {p} | " + " | ".join(fmt(c["policies"][p]) for c in f["cells"]) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _score_cell(fold: dict, g: str, prefix: str) -> str:
+    """'fails / score' (runs before the p99-aware rule have no fails: 'score')."""
+    score = f"{fold[prefix + 'scores'][g]:.3f}"
+    fails = fold.get(prefix + "fails")
+    return score if fails is None else f"{fails[g]} / {score}"
 
 
 def markdown(rows: list[dict], meta: dict) -> str:

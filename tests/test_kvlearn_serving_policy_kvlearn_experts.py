@@ -12,10 +12,13 @@ from test_kvlearn_classical_serving import random_requests
 from jaxkv.kvlearn.cost import CostModel
 from jaxkv.kvlearn.serving import engine
 from jaxkv.kvlearn.serving import policies as policies_lib
+from jaxkv.kvlearn.serving.policies import kvlearn_experts as experts_lib
+from jaxkv.kvlearn.serving.policies.kvlearn import DepthCosts
 from jaxkv.kvlearn.serving.policies.kvlearn_experts import (
     ExpertConfig,
     ExpertKVLearn,
     ShadowPool,
+    guard,
     lead,
     penalise,
     regret,
@@ -45,7 +48,7 @@ def _random_requests(seed: int, n_req: int = 400) -> list[list[int]]:
     return random_requests(seed, n_req, n_paths=16)
 
 
-def _evictions(monkeypatch, name, tr, pool_blocks, **options):
+def _evictions(monkeypatch, name, tr, pool_blocks, nodes=1, **options):
     """(hit blocks per request, every evicted block in order) of one engine run."""
     log: list[int] = []
     cls = policies_lib.REGISTRY[name]
@@ -56,7 +59,7 @@ def _evictions(monkeypatch, name, tr, pool_blocks, **options):
             super().on_evict(b)
 
     monkeypatch.setitem(policies_lib.REGISTRY, name, Recording)
-    cfg = engine.ServingConfig(pool_blocks=pool_blocks, prefill_nodes=1)
+    cfg = engine.ServingConfig(pool_blocks=pool_blocks, prefill_nodes=nodes)
     rec = engine.simulate(tr, name, cfg=cfg, cost=COST, **options)
     return rec["hit_blocks"].tolist(), log
 
@@ -164,6 +167,47 @@ def test_gd_expert_inflation_follows_the_lowest_gd_leaf():
     assert pol.xs.inflation_E.tolist() == [0.0, pytest.approx(0.3 * pol.costs.save_ms[0])]
 
 
+class RefLRUPrefix:
+    """A plain-Python LRU prefix cache: a lookup touches the hit prefix; storing a request's
+    blocks after its hit evicts the least recently touched leaf (never the block's own parent)
+    and stops when nothing is evictable or the parent has left."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.resident: dict[int, int] = {}  # block → last touch
+        self.parent: dict[int, int] = {}
+        self.clock = 0
+
+    def _touch(self, b: int) -> None:
+        self.clock += 1
+        self.resident[b] = self.clock
+
+    def lookup(self, blk: list[int]) -> int:
+        hit = 0
+        while hit < len(blk) and blk[hit] in self.resident:
+            hit += 1
+        for b in blk[:hit]:
+            self._touch(b)
+        return hit
+
+    def store(self, blk: list[int], hit: int) -> None:
+        for j in range(hit, len(blk)):
+            if j and blk[j - 1] not in self.resident:
+                return
+            if blk[j] not in self.resident and len(self.resident) >= self.capacity:
+                pinned = blk[j - 1] if j else None
+                leaves = [
+                    x
+                    for x in self.resident
+                    if x != pinned and not any(self.parent[y] == x for y in self.resident)
+                ]
+                if not leaves:  # only the pinned parent is a leaf: the rest is refused
+                    return
+                del self.resident[min(leaves, key=self.resident.get)]
+            self._touch(blk[j])
+            self.parent[blk[j]] = blk[j - 1] if j else -1
+
+
 def test_shadow_pool_keeps_what_its_expert_alone_would_keep():
     """An ``lru`` shadow of capacity 3 against a plain-Python LRU prefix cache (touch the hit
     prefix, store the rest at once, evict the least recently touched leaf), request by request:
@@ -172,31 +216,13 @@ def test_shadow_pool_keeps_what_its_expert_alone_would_keep():
     tr = _trace(reqs)
     pol = ExpertKVLearn(tr, COST, pool_blocks=3, experts=("lru",), predictor="logistic")
     sh = ShadowPool("lru", 3, tr.n_blocks)
-    resident: dict[int, int] = {}  # block → last touch
-    parent: dict[int, int] = {}
-    clock = 0
+    ref = RefLRUPrefix(3)
     for blk in tr.blocks:
         blk = blk.tolist()
-        hit = 0
-        while hit < len(blk) and blk[hit] in resident:
-            hit += 1
+        hit = ref.lookup(blk)
         assert sh.step(pol, np.array(blk)) == pytest.approx(sum(pol.costs.save_ms[:hit]))
-        for b in blk[:hit]:
-            clock += 1
-            resident[b] = clock
-        for j in range(hit, len(blk)):
-            if len(resident) >= 3:
-                pinned = blk[j - 1] if j else None
-                leaves = [
-                    x for x in resident if x != pinned and not any(parent[y] == x for y in resident)
-                ]
-                if not leaves:  # only the pinned parent is a leaf: the rest is refused
-                    break
-                del resident[min(leaves, key=resident.get)]
-            clock += 1
-            resident[blk[j]] = clock
-            parent[blk[j]] = blk[j - 1] if j else -1
-        assert set(np.flatnonzero(sh.cache.resident).tolist()) == set(resident)
+        ref.store(blk, hit)
+        assert set(np.flatnonzero(sh.cache.resident).tolist()) == set(ref.resident)
 
 
 def test_shadow_leader_needs_a_margin():
@@ -226,6 +252,131 @@ def test_shadow_choice_follows_the_best_shadow(tmp_path):
     assert cache.resident[[0, 1]].all() and pol.xs.evictions_E[1] > 0
 
 
+def test_guard_backs_off_to_the_baseline_by_hand(monkeypatch):
+    """Capacity 2, guard over (lfu, lru), slack 0: lfu evicts while the real pool has saved at
+    least what the lru shadow saved. Requests A A B C B C (one block each, saving s_0 per hit).
+
+    Shadow (``mooncake``): hits at requests 1, 4, 5 (C evicts A, touched before B). Real: A hits
+    at 1 (S = S_b = s_0, lfu leads); C's store evicts lfu's lowest, B (1 access against A's 2).
+    B misses at 4 where the shadow hits: S = s_0 < S_b = 2 s_0, the learner backs off, and B's
+    store evicts A, the leaf the shadow does not hold. Now the pools agree; C hits at 5 in both
+    (S = 2 s_0 < S_b = 3 s_0). lfu alone evicts C at 4 (1 access against A's 2) and misses it
+    at 5."""
+    A, B, C = 0, 1, 2
+    tr = _trace([[A], [A], [B], [C], [B], [C]])
+    pol = ExpertKVLearn(
+        tr,
+        COST,
+        pool_blocks=2,
+        experts=("lfu",),
+        baselines=("mooncake",),
+        choice="guard",
+        slack=0.0,
+        predictor="logistic",
+    )
+    evicted: list[int] = []
+    cache = PrefixCache(
+        2, n_blocks=tr.n_blocks, on_evict=lambda b: (evicted.append(b), pol.on_evict(b))
+    )
+    pol.attach(cache)
+    s0 = pol.costs.save_ms[0]
+    trail = [
+        (pol.xs.saved_real / s0, pol.xs.saved_base_B[0] / s0, pol.xs.leader)
+        for _ in _replay(pol, tr, cache)
+    ]
+    assert trail == [(0, 0, 0), (1, 1, 0), (1, 1, 0), (1, 1, 0), (1, 2, 1), (2, 3, 1)]
+    assert evicted == [B, A]
+    assert pol.xs.backoff_requests == 2 and pol.xs.follow_evictions == 1
+    shadow = pol.shadows[0].cache
+    assert shadow.resident[[A, B, C]].tolist() == [False, True, True]
+    assert cache.resident[[A, B, C]].tolist() == [False, True, True]
+    alone = _evictions(
+        monkeypatch, "kvlearn_experts", tr, 2, experts=("lfu",), predictor="logistic"
+    )
+    assert alone == ([0, 1, 0, 0, 0, 0], [B, C, A])  # lfu alone: C evicted at 4, missed at 5
+
+
+def test_guard_rule():
+    """Back off iff full − S > (1 + slack)(full − S_b): the queue-free TTFT of the real pool
+    above (1 + slack) × the baseline's."""
+    assert guard(50.0, 50.0, 100.0, slack=0.0) == 0
+    assert guard(49.0, 50.0, 100.0, slack=0.0) == 1
+    assert guard(49.0, 50.0, 100.0, slack=0.02) == 0  # 51 ≤ 1.02 × 50
+    assert guard(48.9, 50.0, 100.0, slack=0.02) == 1
+    assert guard(60.0, 50.0, 100.0, slack=0.0) == 0
+
+
+def _overlapping(reqs) -> MooncakeTrace:
+    """Requests 2 ms apart: on 3 prefill nodes many start before an earlier one finishes."""
+    n = len(reqs)
+    return MooncakeTrace(
+        time_s=np.arange(n) * 0.002,
+        input_len=np.array([BT * len(r) for r in reqs], np.int64),
+        output_len=np.ones(n, np.int64),
+        blocks=tuple(np.array(r, np.int64) for r in reqs),
+        n_blocks=1 + max(max(r) for r in reqs),
+    )
+
+
+def test_guard_shadow_has_the_real_timing(monkeypatch):
+    """The guard's lru shadow stores a request's blocks when the real pool is offered them.
+    Overlapping requests (3 prefill nodes, 2 ms apart; learner lfu, never backing off or at
+    once): its hits equal a plain-Python LRU prefix cache replayed with the run's own order of
+    lookups and offers, request by request, and its saving is Σ s_j over them. Sequential
+    requests (each offered before the next lookup): that is ``mooncake``'s pool, whatever the
+    real pool does."""
+    events: list[tuple] = []
+
+    class Recording(ExpertKVLearn):
+        def on_access(self, blocks, hit, i, now):
+            super().on_access(blocks, hit, i, now)
+            events.append(("lookup", i, self.shadows[0].hits[i], self.xs.saved_base_B[0]))
+
+        def on_offer(self, i):
+            events.append(("offer", i))
+            super().on_offer(i)
+
+    monkeypatch.setitem(policies_lib.REGISTRY, "kvlearn_experts", Recording)
+    reqs = _random_requests(3)
+    kw = dict(experts=("lfu",), choice="guard", predictor="logistic")
+    for tr, nodes in ((_overlapping(reqs), 3), (_trace(reqs), 1)):
+        cfg = engine.ServingConfig(pool_blocks=8, prefill_nodes=nodes)
+        s_j = DepthCosts.of(tr, COST, write_cost=False).save_ms
+        for slack in (0.99, 0.0):
+            events.clear()
+            rec = engine.simulate(tr, "kvlearn_experts", cfg=cfg, cost=COST, slack=slack, **kw)
+            ref, hits, saved = RefLRUPrefix(8), {}, 0.0
+            for e in events:
+                if e[0] == "lookup":
+                    hits[e[1]] = ref.lookup(reqs[e[1]])
+                    saved += s_j[: hits[e[1]]].sum()
+                    assert e[2] == hits[e[1]] and e[3] == pytest.approx(saved, rel=1e-12)
+                else:
+                    ref.store(reqs[e[1]], hits[e[1]])
+            assert len(hits) == len(reqs)
+        if nodes == 3:
+            finish = rec["start_s"] + rec["service_ms"] / 1e3
+            assert (rec["start_s"][1:] < finish[:-1]).sum() > 100  # requests overlap
+    moon = engine.simulate(tr, "mooncake", cfg=cfg, cost=COST)["hit_blocks"]
+    assert [e[2] for e in events if e[0] == "lookup"] == moon.tolist()
+
+
+@pytest.mark.parametrize("baseline", ["mooncake", "lfu", "gdsf", "cost_aware"])
+def test_a_guard_that_always_backs_off_is_its_baseline(monkeypatch, baseline):
+    """Forced to back off from the first request, the guard's real pool evicts only blocks its
+    baseline's shadow no longer holds: with both pools starting empty and the same timing, it is
+    that classical policy event for event (every request's hits and every eviction in order),
+    on sequential and on overlapping requests (3 prefill nodes)."""
+    monkeypatch.setattr(experts_lib, "guard", lambda *a, **k: True)
+    reqs = _random_requests(4)
+    for tr, nodes in ((_trace(reqs), 1), (_overlapping(reqs), 3)):
+        for pool in (4, 9):
+            kw = dict(experts=("gd",), baselines=(baseline,), choice="guard")
+            got = _evictions(monkeypatch, "kvlearn_experts", tr, pool, nodes, **kw)
+            want = _evictions(monkeypatch, baseline, tr, pool, nodes)
+            assert got == want and len(want[1]) > 20
+
+
 def test_update_functions():
     assert regret(0, capacity=10, discount=0.005) == 1.0
     assert regret(10, capacity=10, discount=0.005) == pytest.approx(0.005)
@@ -249,6 +400,14 @@ def test_hyper_parameters_are_validated(tmp_path):
         ExpertConfig(choice="shadow", margin=-0.1)
     with pytest.raises(ValueError, match="discount"):
         ExpertConfig(discount=0.0)
+    with pytest.raises(ValueError, match="one expert"):
+        ExpertConfig(experts=("gd", "lru"), choice="guard")
+    with pytest.raises(ValueError, match="baselines"):
+        ExpertConfig(experts=("gd",), choice="guard", baselines=("lru",))
+    with pytest.raises(ValueError, match="baselines"):
+        ExpertConfig(experts=("gd",), choice="guard", baselines=())
+    with pytest.raises(ValueError, match="slack"):
+        ExpertConfig(experts=("gd",), choice="guard", slack=1.0)
     tr = _trace([[0, 1]])
     pol = ExpertKVLearn(tr, COST, pool_blocks=4, experts=["lfu", "gd"], predictor="logistic")
     assert pol.xcfg.experts == ("lfu", "gd") and pol.cfg.write_cost is False

@@ -171,6 +171,7 @@ def offer(cache: PrefixCache, pol: BlockPolicy, trace: MooncakeTrace, i, hit, re
     """Offers request i's computed blocks (positions ``hit``..) to the pool, in prefix order:
     each is admitted if the policy's gate and the cache agree (``counts`` and
     ``rec["admitted_tokens"]`` record the outcome)."""
+    pol.on_offer(i)
     blk, tok = trace.blocks[i], trace.block_tokens_of(i)
     now = float(rec["start_s"][i] + rec["service_ms"][i] / 1e3)
     parent = int(blk[hit - 1]) if hit else ROOT

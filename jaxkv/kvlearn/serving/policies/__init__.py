@@ -12,7 +12,8 @@
                    is used again sooner than the victim.
     kvlearn        KVLearn's design at block granularity (``kvlearn.BlockKVLearn``).
     kvlearn_experts  KVLearn as expert learning (LeCaR/CACHEUS): ghost histories and regret
-                   weights over the leaf orders lru / lfu / gd (``kvlearn_experts.ExpertKVLearn``).
+                   weights, or shadow pools, over the leaf orders lru / lfu / gd / gdsf; or
+                   a guard: gd backs off to classical shadows (``kvlearn_experts.ExpertKVLearn``).
 
 The classical bar (blocks as independent keys, like ``lru``, for the list- and queue-based
 policies, which pick their victims themselves: ``BlockPolicy.selects_victims``; over leaves, like

@@ -56,6 +56,10 @@ class BlockPolicy:
     def on_evict(self, b: int) -> None:
         """Called by the cache after it evicts block ``b``."""
 
+    def on_offer(self, i: int) -> None:
+        """Called once per request when it finishes, before its computed blocks are offered
+        (a policy that mirrors the pool's timing in a shadow pool stores them then)."""
+
     def victim(self, incoming: int) -> int | None:
         """(``selects_victims`` only) The resident block to evict to make room for ``incoming``,
         or None to refuse ``incoming``; the cache then calls ``on_evict`` with it."""
