@@ -26,6 +26,7 @@ from jaxkv import stats as attn_stats
 from jaxkv.config import ModelConfig
 from jaxkv.kvcache import KVCache
 from jaxkv.model import layers
+from jaxkv.model import weights_int8 as weights_lib
 
 PREFILL_BLOCK = 256
 
@@ -40,9 +41,9 @@ def _projections(lp: dict, x_BTD, pos_BT, config: ModelConfig):
     moments; unused, they cost nothing)."""
     B, T, _ = x_BTD.shape
     h = layers.rms_norm(x_BTD, lp["attn_norm"], config.norm_eps)
-    q = jnp.einsum("btd,dnh->btnh", h, lp["wq"])
-    k = jnp.einsum("btd,dkh->btkh", h, lp["wk"])
-    v = jnp.einsum("btd,dkh->btkh", h, lp["wv"])
+    q = weights_lib.einsum("btd,dnh->btnh", h, lp["wq"])
+    k = weights_lib.einsum("btd,dkh->btkh", h, lp["wk"])
+    v = weights_lib.einsum("btd,dkh->btkh", h, lp["wv"])
     q_rot = layers.rope(q, pos_BT, config.rope_theta)
     k = layers.rope(k, pos_BT, config.rope_theta)
     K, G, H = config.n_kv_heads, config.q_per_kv, config.head_dim
@@ -54,19 +55,20 @@ def _finish_layer(lp: dict, x_BTD, attn_BKGTH, config: ModelConfig):
     """Output projection, residual, and the SwiGLU MLP block."""
     B, K, G, T, H = attn_BKGTH.shape
     attn_BTNH = attn_BKGTH.transpose(0, 3, 1, 2, 4).reshape(B, T, K * G, H)
-    x_BTD = x_BTD + jnp.einsum("btnh,nhd->btd", attn_BTNH, lp["wo"])
+    x_BTD = x_BTD + weights_lib.einsum("btnh,nhd->btd", attn_BTNH, lp["wo"])
     h = layers.rms_norm(x_BTD, lp["mlp_norm"], config.norm_eps)
     return x_BTD + layers.swiglu(h, lp["w_gate"], lp["w_up"], lp["w_down"])
 
 
 def _embed(params, tokens_BT, config: ModelConfig):
-    return params["embed"][tokens_BT].astype(config.jnp_dtype)
+    return weights_lib.take_rows(params["embed"], tokens_BT).astype(config.jnp_dtype)
 
 
 def _logits(params, x_BXD, config: ModelConfig):
     h = layers.rms_norm(x_BXD, params["final_norm"], config.norm_eps)
-    head_DV = params["embed"].T if config.tie_embeddings else params["lm_head"]
-    return jnp.einsum("...d,dv->...v", h, head_DV, preferred_element_type=jnp.float32)
+    if config.tie_embeddings:
+        return weights_lib.head_logits(h, params["embed"], vocab_first=True)
+    return weights_lib.head_logits(h, params["lm_head"], vocab_first=False)
 
 
 def prompt_positions(tokens_BT: jax.Array, lengths_B: jax.Array | None) -> jax.Array:

