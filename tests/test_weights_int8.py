@@ -2,11 +2,14 @@
 quantization against a NumPy reference, the int8 decoder against the float decoder on the
 dequantized weights, composition with the int8 KV cache and eviction, KL against float32."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxkv.cli import eval as eval_lib
 from jaxkv.config import ModelConfig
 from jaxkv.eviction import Compression
 from jaxkv.generate import generate_tokens, teacher_forced
@@ -172,3 +175,16 @@ def test_load_int8_quantizes_the_embedded_model():
     assert weights_int8.is_quantized(model.params["layers"]["w_down"])
     with pytest.raises(ValueError, match="int8"):
         jaxkv.load("smollm2-135m", dtype="int4")
+
+
+def test_dtype_flag_reaches_the_suite_and_is_recorded(tmp_path):
+    common = ["--model", "tiny", "--policies", "full,h2o", "--ratios", "0.5", "--limit", "1"]
+    window = ["--window", "48", "--prompt-len", "32"]
+    out = tmp_path / "int8"
+    assert eval_lib.main(["fidelity", *common, *window, "--dtype", "int8", "--out", str(out)]) == 0
+    assert json.loads((out / "fidelity.json").read_text())["config"]["dtype"] == "int8"
+    plain = tmp_path / "f32"
+    assert eval_lib.main(["fidelity", *common, *window, "--out", str(plain)]) == 0
+    assert "dtype" not in json.loads((plain / "fidelity.json").read_text())["config"]
+    with pytest.raises(SystemExit):
+        eval_lib.main(["fidelity", *common, "--dtype", "int4", "--out", str(tmp_path / "x")])

@@ -96,7 +96,7 @@ def _generate(args: argparse.Namespace) -> int:
 def _generate_cmd(args: argparse.Namespace) -> int:
     compression = generate_compression(args)
     t0 = time.perf_counter()
-    model = jaxkv.load(args.model)
+    model = jaxkv.load(args.model, dtype=args.dtype)
     t1 = time.perf_counter()
     outs = jaxkv.generate(
         model,
@@ -124,6 +124,7 @@ def _generate_flags(parser: argparse.ArgumentParser) -> None:
         default="smollm2-135m",
         help="'smollm2-135m' (embedded), a .gguf file or a HF safetensors directory",
     )
+    flags.dtype_flag(parser)
     parser.add_argument(
         "--prompt", action="append", required=True, help="prompt text (repeat for a batch)"
     )

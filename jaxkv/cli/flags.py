@@ -81,3 +81,18 @@ def parse_seeds(text: str) -> list[int]:
     if len(set(seeds)) != len(seeds):
         raise ValueError(f"--seeds names a seed twice: {seeds}")
     return seeds
+
+
+DTYPES = ("float32", "bfloat16", "float16", "int8")
+DEFAULT_DTYPE = "float32"
+
+
+def dtype_flag(parser: argparse.ArgumentParser) -> None:
+    """``--dtype``: the model weights' dtype (``jaxkv.load``; int8 is weight-only int8)."""
+    parser.add_argument(
+        "--dtype",
+        default=DEFAULT_DTYPE,
+        choices=DTYPES,
+        help="model weights: float32 (default), bfloat16, float16, or int8 (weight-only int8 "
+        "through qwix, float32 activations)",
+    )

@@ -121,6 +121,7 @@ def _common(parser: argparse.ArgumentParser, *, ratios: str, policies: str, limi
     parser.add_argument(
         "--model", default="smollm2-135m", help="smollm2-135m (embedded), a path, or 'tiny'"
     )
+    flags.dtype_flag(parser)
     parser.add_argument(
         "--policies",
         default=policies,
@@ -176,10 +177,13 @@ def _job(args: argparse.Namespace, command: str) -> runner.Job:
             "seeds": args.seeds,
             "limit": args.limit,
             "min_budget": args.min_budget,
+            # recorded only when not the default, so default runs keep their files as before
+            **({"dtype": args.dtype} if args.dtype != flags.DEFAULT_DTYPE else {}),
         },
         limit=args.limit,
         min_budget=args.min_budget,
         batch_size=args.batch,
+        dtype=args.dtype,
         **selection,
     )
 

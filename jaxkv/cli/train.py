@@ -90,7 +90,19 @@ def ranker_parser() -> argparse.ArgumentParser:
         "--target",
         choices=ranker_lib.TARGETS,
         default=d.target,
-        help="rank by the future attention a token gets, or by that times its value norm",
+        help="rank by the future attention a token gets, or by that times its value norm "
+        "(value) or its norm after the output projection, ||W_o v||_1 (critical)",
+    )
+    ap.add_argument(
+        "--no-fit-pruned",
+        action="store_true",
+        help="learn from the full caches only; the --pruned-ratios rows only validate",
+    )
+    ap.add_argument(
+        "--features",
+        default=",".join(d.features),
+        help="comma list of the per-row features the ranker reads (jaxkv.policies.ranker."
+        "FEATURES; default: all but log_wo_vnorm, which reads the model's W_o)",
     )
     ap.add_argument(
         "--pruned-ratios",
@@ -118,6 +130,8 @@ def ranker_main(argv: list[str]) -> int:
             target=args.target,
             recent_fraction=args.recent_fraction,
             pruned_ratios=tuple(parse_ratios(args.pruned_ratios)) if args.pruned_ratios else (),
+            fit_pruned=not args.no_fit_pruned,
+            features=tuple(x.strip() for x in args.features.split(",") if x.strip()),
         )
         out = check_out_dir(args.out) if args.out else new_run_dir("ranker")
         model = load_eval_model(args.model)

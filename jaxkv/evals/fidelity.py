@@ -468,7 +468,7 @@ def evaluate(
         heldout = tasks.HELDOUT_FRACTION if body is None else 1.0
     cut = dict(window=window, n_windows=job.limit, heldout_fraction=heldout, text=body)
     tasks.check_text_windows(text, **cut)
-    model = runner.load_eval_model(job.model)
+    model = runner.load_eval_model(job.model, dtype=job.dtype)
     runner.check_fits(model, window, what="--window")
     windows = tasks.text_windows(text, tokenizer=model.tokenizer, **cut)
     settings = FidelitySettings(

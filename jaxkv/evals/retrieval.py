@@ -138,7 +138,7 @@ def evaluate(
     if min(lengths) < MIN_LENGTH:
         raise ValueError(f"--lengths must be >= {MIN_LENGTH} tokens, got {list(lengths)}")
     fidelity.check_selection(job)
-    model = runner.load_eval_model(job.model)
+    model = runner.load_eval_model(job.model, dtype=job.dtype)
     for n_tokens in lengths:
         need = n_tokens + 64 + tasks.RETRIEVAL_MAX_NEW_TOKENS
         runner.check_fits(model, need, what="--lengths")

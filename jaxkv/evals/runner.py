@@ -40,7 +40,8 @@ from jaxkv import eviction
 from jaxkv.config import ModelConfig
 from jaxkv.eviction import Compression
 from jaxkv.generate import generate_tokens, stop_token_ids
-from jaxkv.model.loading import load_model
+from jaxkv.model import weights_int8
+from jaxkv.model.loading import INT8, load_model
 from jaxkv.model.params import init_params
 from jaxkv.policies import Policy, get_policy, with_model
 from jaxkv.policies import learned as learned_lib
@@ -107,12 +108,13 @@ class EvalModel:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
 
-def load_eval_model(name: str, *, seed: int = 0) -> EvalModel:
+def load_eval_model(name: str, *, seed: int = 0, dtype: str = "float32") -> EvalModel:
     """Loads ``name``: ``"tiny"`` (random weights, byte tokenizer) or a ``load_model`` source.
 
     Args:
         name: ``"tiny"``, ``"smollm2-135m"`` (embedded), a ``.gguf`` file or a HF directory.
         seed: initialization seed of the tiny model.
+        dtype: the weights' dtype (``load_model``'s; ``"int8"``: weight-only int8).
 
     Raises:
         ValueError / FileNotFoundError: from ``load_model`` (unknown model, missing files), or a
@@ -121,9 +123,13 @@ def load_eval_model(name: str, *, seed: int = 0) -> EvalModel:
     if name == TINY:
         config = ModelConfig.tiny(max_seq_len=TINY_CONTEXT)
         params = init_params(config, key=jax.random.key(seed), scale=0.2)
+        if dtype == INT8:
+            params = weights_int8.quantize_params(params)
+        elif dtype != "float32":
+            raise ValueError(f"the tiny model is float32 (or int8), not {dtype!r}")
         tok = ByteTokenizer()
         return EvalModel(name, config, params, tok, (tok.eos_token_id,), tok.pad_token_id)
-    loaded = load_model(name)
+    loaded = load_model(name, dtype=dtype)
     if loaded.tokenizer is None:
         raise ValueError(f"{name}: the checkpoint has no tokenizer; the suite needs one")
     stops = stop_token_ids(loaded.tokenizer)
@@ -184,6 +190,7 @@ class Job:
         batch_size: sequences per compiled call.
         protocol: ``decode`` or ``prefill`` (``jaxkv.eviction.PROTOCOLS``).
         granularity: the selection granularity (``jaxkv.eviction.GRANULARITIES``).
+        dtype: the weights' dtype (``load_eval_model``).
     """
 
     model: str
@@ -197,6 +204,7 @@ class Job:
     batch_size: int = 4
     protocol: str = "decode"
     granularity: str = "shared"
+    dtype: str = "float32"
 
 
 def parse_list(text: str, *, kind: type, what: str) -> list:
