@@ -13,7 +13,7 @@ from jaxkv.kvlearn.core import prp as prp_lib
 from jaxkv.kvlearn.cost import CostModel
 from jaxkv.kvlearn.serving import engine
 from jaxkv.kvlearn.serving.policies.kvlearn import BlockKVLearn, BlockKVLearnConfig
-from jaxkv.kvlearn.serving.predictors import HostPRP
+from jaxkv.kvlearn.serving.predictors import DeferredPRP, HostPRP
 from jaxkv.kvlearn.serving.prefix import PrefixCache
 
 COST = CostModel.llama3_8b_a100()
@@ -217,3 +217,22 @@ def test_host_twins_match_the_jax_prp():
         rtol=1e-5,
         atol=1e-6,
     )
+
+
+def test_deferred_prp_predicts_exactly_as_host_prp():
+    """Holding the label pushes until a training round changes nothing the PRP predicts."""
+    rng = np.random.default_rng(0)
+    ref, fast = HostPRP(seed=0), DeferredPRP(seed=0)
+    sizes = [*rng.integers(1, 60, 30).tolist(), 1500, 40, 1100, *rng.integers(1, 60, 10).tolist()]
+    changed = 0  # requests after which the parameters moved (training rounds ran)
+    for n in sizes:  # labels closed by one request; 1500 and 1100 span HostPRP's 1024-row chunks
+        x = rng.normal(size=(n, 16)).astype(np.float32)
+        y = (rng.random(n) < 0.4).astype(np.float32)
+        before = ref.params
+        ref.learn(x, y)
+        fast.learn(x, y)
+        changed += ref.params is not before
+        q = rng.normal(size=(8, 16)).astype(np.float32)
+        assert ref.trained == fast.trained and ref.step == fast.step + len(fast.held)
+        assert np.array_equal(ref.predict(q), fast.predict(q))
+    assert changed >= 10

@@ -32,9 +32,9 @@ and all adaptive state; ``mark_evictable`` / ``mark_non_evictable`` follow ``ref
 
 Host-side fast path: the per-call work is dictionary and heap operations in Python on the
 scheduler's thread (no device round trip); KVLearn's PRP forward pass runs in numpy once per
-request (``predictors.HostPRP``), and only its training rounds touch JAX: ``DeferredPRP`` holds
-the labels on the host and pushes them in the one jitted call that runs a round (one per 100
-labels, not one per request; the same decisions).
+request (``predictors.HostPRP``), and only its training rounds touch JAX:
+``predictors.DeferredPRP`` holds the labels on the host and pushes them in the one jitted call
+that runs a round (one per 100 labels, not one per request; the same decisions).
 
 vLLM is imported when this module is imported (its ``CachePolicy`` is the base class here).
 Nothing in jaxkv imports this module (``tests/test_vllm_policy.py`` checks that no jaxkv module
@@ -58,7 +58,7 @@ from jaxkv.kvlearn.serving.policies.arc import ARC
 from jaxkv.kvlearn.serving.policies.base import BlockPolicy
 from jaxkv.kvlearn.serving.policies.kvlearn import BlockKVLearn, BlockKVLearnState
 from jaxkv.kvlearn.serving.policies.lru import LRUPool
-from jaxkv.kvlearn.serving.predictors import _CHUNK, HostPRP
+from jaxkv.kvlearn.serving.predictors import DeferredPRP, HostPRP
 from jaxkv.kvlearn.traces import BLOCK_TOKENS, MooncakeTrace
 
 _Entry = tuple  # (priority tuple, stamp, key): one heap entry; ``stamp`` makes it unique
@@ -83,47 +83,6 @@ def shape_trace(*, n_blocks: int, max_depth: int, block_tokens: int) -> Mooncake
         n_blocks=n_blocks,
         block_tokens=block_tokens,
     )
-
-
-class DeferredPRP(HostPRP):
-    """``HostPRP`` whose label pushes wait on the host until they would start a training round.
-
-    ``HostPRP.learn`` makes one jitted call (a padded chunk of labels into the PRP's replay
-    ring) per request that closes labels; a training round runs inside the call that brings
-    the labels since the last round to ``train_every``. Only that call changes what the PRP
-    predicts, so this class holds the chunks on the host and pushes them, in order, in that
-    call: the same rows reach the ring in the same order, the round sees the same whitening
-    statistics and the same random key (``step`` counts the chunks ``HostPRP`` would have
-    pushed), and the parameters and P̂ are identical at every request (tested). One call per
-    round instead of one per request; labels held when a run ends are never pushed (no round
-    would have used them).
-    """
-
-    def __init__(self, *, seed: int):
-        super().__init__(seed=seed)
-        self.held: list[tuple[np.ndarray, np.ndarray]] = []
-        self.n_held = 0
-
-    def learn(self, x_BI, y_B):
-        for s in range(0, len(y_B), _CHUNK):  # HostPRP's chunks: one call (step) each
-            self.held.append((x_BI[s : s + _CHUNK], y_B[s : s + _CHUNK]))
-            self.n_held += len(self.held[-1][1])
-            if self.labels_since + self.n_held >= self.cfg.train_every:
-                self._flush()
-
-    def _flush(self) -> None:
-        """Pushes the held chunks; the last one starts the round with ``HostPRP``'s step."""
-        step = self.step + len(self.held)
-        *early, (x, y) = self.held
-        self.held, self.n_held = [], 0
-        if early:
-            ex, ey = (np.concatenate(a) for a in zip(*early, strict=True))
-            if len(ey) + len(y) <= _CHUNK:
-                x, y = np.concatenate([ex, x]), np.concatenate([ey, y])
-            else:  # fewer than ``train_every`` labels: no round, so its step is immaterial
-                super().learn(ex, ey)
-        self.step = step - 1
-        super().learn(x, y)  # one chunk (HostPRP counts its step), the round inside
 
 
 class _HeapCachePolicy(CachePolicy):
@@ -371,7 +330,8 @@ class KVLearnCachePolicy(_BlockPolicyCache):
     initial_ids: int = 1 << 12
     """Block ids the state is first sized for; it doubles when they run out."""
     defer_labels: bool = True
-    """Push the PRP's labels once per training round (``DeferredPRP``; same decisions)."""
+    """Push the PRP's labels once per training round (``predictors.DeferredPRP``, as the
+    simulator does; same decisions); False: one push per request (``HostPRP``)."""
 
     def __init__(self, cache_capacity: int):
         self.block_tokens = int(os.environ.get("JAXKV_KVLEARN_BLOCK_TOKENS", self.block_tokens))
@@ -383,8 +343,8 @@ class KVLearnCachePolicy(_BlockPolicyCache):
             n_blocks=self.initial_ids, max_depth=self.max_depth, block_tokens=self.block_tokens
         )
         pol = BlockKVLearn(shape, self.cost, pool_blocks=self.cache_capacity, **self.hparams)
-        if self.defer_labels and isinstance(pol.pred, HostPRP):
-            pol.pred = DeferredPRP(seed=pol.cfg.seed)
+        if not self.defer_labels and isinstance(pol.pred, DeferredPRP):
+            pol.pred = HostPRP(seed=pol.cfg.seed)
         pol.attach(self)  # reads ``capacity`` and ``evictions``, as of its PrefixCache
         return pol
 

@@ -1,5 +1,6 @@
 """The reuse predictors of the block-level KVLearn (``policies.kvlearn``): the core's PRP driven
-from the host (``HostPRP``) and a numpy logistic regression (``Logistic``, an ablation).
+from the host (``HostPRP``, and ``DeferredPRP``, the same predictions with one device call per
+training round) and a numpy logistic regression (``Logistic``, an ablation).
 
 Both take [B, I] float32 block features (``N_FEATURES`` = 16, the core PRP's input width) and
 answer ``predict`` once per request; ``learn`` gets the labels closed since the last request.
@@ -94,6 +95,47 @@ class HostPRP:
                 self.labels_since -= self.cfg.train_every
                 self.trained = True
                 self.params = jax.device_get(self.state.params)
+
+
+class DeferredPRP(HostPRP):
+    """``HostPRP`` whose label pushes wait on the host until they would start a training round.
+
+    ``HostPRP.learn`` makes one jitted call (a padded chunk of labels into the PRP's replay
+    ring) per request that closes labels; a training round runs inside the call that brings
+    the labels since the last round to ``train_every``. Only that call changes what the PRP
+    predicts, so this class holds the chunks on the host and pushes them, in order, in that
+    call: the same rows reach the ring in the same order, the round sees the same whitening
+    statistics and the same random key (``step`` counts the chunks ``HostPRP`` would have
+    pushed), and the parameters and P̂ are identical at every request (tested). One call per
+    round instead of one per request; labels held when a run ends are never pushed (no round
+    would have used them).
+    """
+
+    def __init__(self, *, seed: int):
+        super().__init__(seed=seed)
+        self.held: list[tuple[np.ndarray, np.ndarray]] = []
+        self.n_held = 0
+
+    def learn(self, x_BI, y_B):
+        for s in range(0, len(y_B), _CHUNK):  # HostPRP's chunks: one call (step) each
+            self.held.append((x_BI[s : s + _CHUNK], y_B[s : s + _CHUNK]))
+            self.n_held += len(self.held[-1][1])
+            if self.labels_since + self.n_held >= self.cfg.train_every:
+                self._flush()
+
+    def _flush(self) -> None:
+        """Pushes the held chunks; the last one starts the round with ``HostPRP``'s step."""
+        step = self.step + len(self.held)
+        *early, (x, y) = self.held
+        self.held, self.n_held = [], 0
+        if early:
+            ex, ey = (np.concatenate(a) for a in zip(*early, strict=True))
+            if len(ey) + len(y) <= _CHUNK:
+                x, y = np.concatenate([ex, x]), np.concatenate([ey, y])
+            else:  # fewer than ``train_every`` labels: no round, so its step is immaterial
+                super().learn(ex, ey)
+        self.step = step - 1
+        super().learn(x, y)  # one chunk (HostPRP counts its step), the round inside
 
 
 _init_prp = jax.jit(prp_lib.init_prp, static_argnums=0)  # one compilation, not one per op

@@ -62,7 +62,7 @@ import numpy as np
 from jaxkv.kvlearn.core.features import N_FEATURES
 from jaxkv.kvlearn.cost import CostModel
 from jaxkv.kvlearn.serving.policies.base import BlockPolicy
-from jaxkv.kvlearn.serving.predictors import BlockPredictor, HostPRP, Logistic
+from jaxkv.kvlearn.serving.predictors import BlockPredictor, DeferredPRP, Logistic
 from jaxkv.kvlearn.serving.prefix import PrefixCache
 from jaxkv.kvlearn.traces import MooncakeTrace
 
@@ -198,7 +198,7 @@ class BlockKVLearn(BlockPolicy):
         self.state = BlockKVLearnState.empty(trace.n_blocks, horizon=self.cfg.horizon_min)
         self.cache: PrefixCache | None = None
         self.pred: BlockPredictor = (
-            HostPRP(seed=self.cfg.seed)
+            DeferredPRP(seed=self.cfg.seed)
             if self.cfg.predictor == "mlp"
             else Logistic(lr=self.cfg.lr, batch=self.cfg.batch)
         )
