@@ -15,7 +15,8 @@ from jaxkv.config import ModelConfig
 from jaxkv.generate import full_cache_attention
 from jaxkv.model import decoder
 from jaxkv.model.params import init_params
-from jaxkv.policies import get_policy
+from jaxkv.policies import critical as critical_lib
+from jaxkv.policies import get_policy, with_model
 from jaxkv.policies import ranker as ranker_lib
 from jaxkv.rl import ranker
 
@@ -35,13 +36,14 @@ def test_targets_are_the_oracles_future_attention():
         want = attn[: SMALL.horizon].sum(0)[..., :p]  # queries p .. p + horizon - 1
         np.testing.assert_allclose(s.target, want.reshape(-1, p), rtol=2e-5, atol=1e-6)
         assert s.feats.shape == (CFG.n_layers * 2 * CFG.n_kv_heads, p, len(ranker_lib.FEATURES))
+        np.testing.assert_array_equal(s.future, s.target)  # target "attention"
 
 
 def test_features_by_hand():
     cache = kvcache.init_cache(CFG, batch_size=2, capacity=24, stats=ranker_lib.STATS)
     _, cache = decoder.prefill(PARAMS, jnp.asarray(TOKENS[:, :12]), cache, config=CFG)
     _, cache = decoder.extend(PARAMS, jnp.asarray(TOKENS[:, 12:16]), cache, config=CFG)
-    f = np.asarray(ranker_lib.head_features(cache))
+    f = np.asarray(ranker_lib.head_features(cache, wo_LNHD=PARAMS["layers"]["wo"]))
     col = {n: f[..., i] for i, n in enumerate(ranker_lib.FEATURES)}
     st = {n: np.asarray(x) for n, x in cache.stats.items()}
     L = CFG.n_layers
@@ -87,12 +89,20 @@ def test_kept_mass_against_brute_force():
 def test_trained_ranker_end_to_end(tmp_path, capsys):
     out = tmp_path / "rk"
     argv = ["ranker", "--model", "tiny", "--windows-per-domain", "2", "--steps", "3"]
-    assert train_cli.main([*argv, "--out", str(out)]) == 0
+    every = ",".join(ranker_lib.FEATURES)  # log_wo_vnorm too: the policy reads W_o
+    assert (
+        train_cli.main([*argv, "--features", every, "--target", "critical", "--out", str(out)]) == 0
+    )
     params, meta = ranker_lib.load_ranker_params(out)
     assert meta["trained_on"] == ["prose", "math", "code", "chat"]
+    assert meta["features"] == list(ranker_lib.FEATURES)
     assert set(meta["validation"]) == {"prose", "math", "code", "chat"}
-    policy = get_policy(f"ranker:{out}")
-    assert jax.tree.all(jax.tree.map(np.array_equal, policy.init(), params))
+    policy = with_model(get_policy(f"ranker:{out}"), PARAMS)
+    weights, wo = policy.init()
+    assert jax.tree.all(jax.tree.map(np.array_equal, weights, params))
+    assert wo is PARAMS["layers"]["wo"]  # log_wo_vnorm reads W_o
+    with pytest.raises(ValueError, match="with_model"):
+        get_policy(f"ranker:{out}").init()
     for granularity in ("shared", "head", "adaptive"):
         code = eval_cli.main(
             ["fidelity", "--model", "tiny", "--policies", f"full,ranker:{out}", "--limit", "1",
@@ -127,7 +137,8 @@ def test_sinks_and_recent_window_are_kept():
     cache = kvcache.init_cache(CFG, batch_size=2, capacity=40, stats=policy.stats)
     _, cache = decoder.prefill(PARAMS, jnp.asarray(TOKENS), cache, config=CFG)
     comp = eviction.Compression(policy, budget=16, granularity="head")
-    kept = eviction.evict(cache, comp, params, key=jax.random.key(0)).pos
+    state = policy.init(wo_LNHD=PARAMS["layers"]["wo"])
+    kept = eviction.evict(cache, comp, state, key=jax.random.key(0)).pos
     for row in np.asarray(kept).reshape(-1, 40):
         row = set(row[row >= 0].tolist())
         assert len(row) == 16 and set(range(4)) | set(range(32, 40)) <= row
@@ -145,3 +156,67 @@ def test_value_target_weights_the_future_attention_by_the_value_norm():
         np.testing.assert_allclose(v.target, a.target * vnorm, rtol=1e-6)
     with pytest.raises(ValueError, match="target must be one of"):
         dataclasses.replace(SMALL, target="mass")
+
+
+def _prefilled(n=16):
+    cache = kvcache.init_cache(CFG, batch_size=2, capacity=24, stats=ranker_lib.STATS)
+    return decoder.prefill(PARAMS, jnp.asarray(TOKENS[:, :n]), cache, config=CFG)[1]
+
+
+def test_wo_vnorm_feature_is_the_l1_norm_after_the_output_projection():
+    cache = _prefilled()
+    wo = PARAMS["layers"]["wo"]  # [L, N, H, D], query head n = k * G + g
+    f = np.asarray(ranker_lib.head_features(cache, names=("log_wo_vnorm",), wo_LNHD=wo))[..., 0]
+    v = np.asarray(cache.values(), np.float64)  # [L, B, K, C, H]
+    L, B, K, C, H = v.shape
+    w = np.asarray(wo, np.float64).reshape(L, K, -1, H, wo.shape[-1])
+    want = np.abs(np.einsum("lbkch,lkghd->lbkcgd", v, w)).sum(-1).mean(-1)
+    np.testing.assert_allclose(f[..., :16], np.log(want[..., :16] + 1e-6), rtol=1e-5, atol=1e-5)
+    assert np.all(f[..., 16:] == 0)
+    with pytest.raises(ValueError, match="with_model"):
+        ranker_lib.head_features(cache, names=("log_wo_vnorm",))
+    np.testing.assert_allclose(  # the same norm as critical:'s
+        np.exp(f[..., :16]) - 1e-6,
+        np.asarray(critical_lib.projected_norms(cache.values(), wo))[..., :16],
+        rtol=1e-4,
+    )
+
+
+def test_named_features_are_columns_of_all_features():
+    cache = _prefilled()
+    wo = PARAMS["layers"]["wo"]
+    every = np.asarray(ranker_lib.head_features(cache, wo_LNHD=wo))
+    names = ("depth", "log_attn", "log_wo_vnorm")
+    some = np.asarray(ranker_lib.head_features(cache, names=names, wo_LNHD=wo))
+    idx = [ranker_lib.FEATURES.index(n) for n in names]
+    np.testing.assert_array_equal(some, every[..., idx])
+    with pytest.raises(ValueError, match="unknown ranker features"):
+        ranker_lib.head_features(cache, names=("log_attn", "mass"))
+
+
+def test_critical_target_weights_the_future_attention_by_the_projected_norm():
+    crit = ranker.collect(
+        PARAMS, CFG, TOKENS, dataclasses.replace(SMALL, target="critical"),
+        rng=np.random.default_rng(0),
+    )  # fmt: skip
+    cache = _prefilled(SMALL.points[0])
+    norm = np.asarray(critical_lib.projected_norms(cache.values(), PARAMS["layers"]["wo"]))
+    first = crit[0]  # point 8: slot s holds position s
+    want = first.future * norm[..., : first.point].reshape(-1, first.point)
+    np.testing.assert_allclose(first.target, want, rtol=2e-3)  # the norm is stored in float16
+
+
+def test_a_ranker_on_some_features_trains_saves_and_scores(tmp_path):
+    out = tmp_path / "rk"
+    argv = ["ranker", "--model", "tiny", "--windows-per-domain", "2", "--steps", "2",
+            "--hidden", "8", "--features", "log_attn,log_attn_cum,depth", "--out", str(out)]  # fmt: skip
+    assert train_cli.main(argv) == 0
+    params, meta = ranker_lib.load_ranker_params(out)
+    assert meta["features"] == ["log_attn", "log_attn_cum", "depth"] and meta["hidden"] == 8
+    assert params["mlp"]["Dense_0"]["kernel"].shape == (3, 8)
+    policy = get_policy(f"ranker:{out}")
+    cache = _prefilled()
+    s = policy.score(policy.init(), cache, budget_B=jnp.full((2,), 8))
+    feats = ranker_lib.head_features(cache, names=tuple(meta["features"]))
+    want = ranker_lib.scores_from_features(params, feats, cache.valid)
+    np.testing.assert_array_equal(np.asarray(s), np.asarray(want))

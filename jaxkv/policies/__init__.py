@@ -10,14 +10,16 @@ context-reconstruction scores, fidelity's prefill protocol only: ``jaxkv.policie
 ``learned:<checkpoint>`` (a folder written by ``python -m jaxkv.train distillcache``, or the
 name of a checkpoint shipped in ``jaxkv/checkpoints/``, e.g. ``learned:distillcache_smollm2_cpu``).
 
-Policies that read the model's weights (``critical:``) are built unbound, before any model
-loads; ``with_model(policy, params)`` binds them (any other policy comes back unchanged).
+Policies that read the model's weights (``critical:``, ``ranker:``) are built unbound, before
+any model loads; ``with_model(policy, params)`` binds them (any other policy comes back
+unchanged).
 """
 
 import dataclasses
 import functools
 from collections.abc import Callable
 
+from jaxkv.model import weights_int8
 from jaxkv.policies import critical, expected, heuristics, kvzip, learned, oracle, ranker
 from jaxkv.policies.base import GRANULARITIES, TIER, Policy
 
@@ -75,12 +77,13 @@ def get_policy(name: str, **settings) -> Policy:
 
 
 def with_model(policy: Policy, params: dict) -> Policy:
-    """``policy`` bound to the model ``params`` it reads (``critical:`` reads W_o); any other
-    policy unchanged. The bound policy equals the unbound one (same jit cache); only its
-    ``init`` differs."""
-    if not policy.name.startswith(CRITICAL_PREFIX):
+    """``policy`` bound to the model ``params`` it reads (``critical:`` and ``ranker:`` read
+    W_o); any other policy unchanged. The bound policy equals the unbound one (same jit
+    cache); only its ``init`` differs."""
+    if not policy.name.startswith((CRITICAL_PREFIX, RANKER_PREFIX)):
         return policy
-    init = functools.partial(policy.init, wo_LNHD=params["layers"]["wo"])
+    wo = weights_int8.dense(params["layers"]["wo"])  # int8 weights: their dequantized W_o
+    init = functools.partial(policy.init, wo_LNHD=wo)
     return dataclasses.replace(policy, init=init)
 
 

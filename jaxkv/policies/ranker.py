@@ -28,6 +28,7 @@ import jax.numpy as jnp
 
 from jaxkv import checkpoint as checkpoint_lib
 from jaxkv.kvcache import KVCache
+from jaxkv.policies import critical as critical_lib
 from jaxkv.policies.base import TIER, Policy
 from jaxkv.policies.heuristics import protect_recent
 from jaxkv.policies.learned import checkpoint_path
@@ -50,7 +51,10 @@ FEATURES = (
     "depth",  # layer index over L - 1
     "z_attn_cum",  # log_attn_cum standardized over the row's tokens
     "z_recent",  # log_recent standardized over the row's tokens
+    "log_wo_vnorm",  # ||W_o v||_1, mean over the KV group's query heads (CriticalKV's norm)
 )
+MODEL_FEATURES = ("log_wo_vnorm",)  # read the model's W_o (``jaxkv.policies.with_model``)
+DEFAULT_FEATURES = tuple(n for n in FEATURES if n not in MODEL_FEATURES)  # the shipped ranker's
 STATS = ("attn", "attn_sq", "attn_cum", "recent", "recent_ent", "vnorm")
 _EPS = 1e-6
 
@@ -67,9 +71,19 @@ def _row_z(x_LBKC: jax.Array, valid_LBKC: jax.Array) -> jax.Array:
     return (x_LBKC - mean) * jax.lax.rsqrt(var + 1e-6)
 
 
-def head_features(cache: KVCache) -> jax.Array:
-    """Per-row features of every slot, [L, B, K, C, F] in ``FEATURES`` order (0 on free slots),
-    from a cache carrying ``STATS``."""
+def head_features(
+    cache: KVCache, *, names: tuple[str, ...] = FEATURES, wo_LNHD: jax.Array | None = None
+) -> jax.Array:
+    """Per-row features of every slot, [L, B, K, C, F] in ``names`` order (0 on free slots),
+    from a cache carrying ``STATS``; ``MODEL_FEATURES`` need the model's stacked W_o."""
+    unknown = [n for n in names if n not in FEATURES]
+    if unknown:
+        raise ValueError(f"unknown ranker features {unknown}; valid: {FEATURES}")
+    if wo_LNHD is None and any(n in MODEL_FEATURES for n in names):
+        raise ValueError(
+            "the ranker's feature log_wo_vnorm reads the model's W_o: bind it "
+            "with jaxkv.policies.with_model(policy, params)"
+        )
     st = cache.stats
     valid = cache.valid
     L = cache.pos.shape[0]
@@ -77,25 +91,27 @@ def head_features(cache: KVCache) -> jax.Array:
     pos = cache.pos.astype(jnp.float32)
     seen = jnp.maximum(length - pos, 1.0)  # queries that saw the token (itself included)
     recent = jnp.maximum(st["recent"], 0.0)
-    entropy = jnp.where(recent > 0, st["recent_ent"] / jnp.maximum(recent, 1e-30), 0.0)
     log_cum, log_recent = _log(st["attn_cum"]), _log(recent)
     depth = jnp.arange(L, dtype=jnp.float32) / max(L - 1, 1)
-    cols = [
-        _log(st["attn"]),
-        _log(st["attn_sq"] - st["attn"] ** 2),
-        log_cum,
-        _log(st["attn_cum"] / seen),
-        log_recent,
-        entropy,
-        _log(st["vnorm"]),
-        jnp.log(seen),
-        jnp.log1p(jnp.maximum(pos, 0.0)),
-        pos / jnp.maximum(length, 1.0),
-        jnp.broadcast_to(depth[:, None, None, None], pos.shape),
-        _row_z(log_cum, valid),
-        _row_z(log_recent, valid),
-    ]
-    feats = jnp.stack(cols, axis=-1)
+    cols = {  # lazily: only the named columns are computed
+        "log_attn": lambda: _log(st["attn"]),
+        "log_attn_var": lambda: _log(st["attn_sq"] - st["attn"] ** 2),
+        "log_attn_cum": lambda: log_cum,
+        "log_attn_mean": lambda: _log(st["attn_cum"] / seen),
+        "log_recent": lambda: log_recent,
+        "entropy": lambda: jnp.where(
+            recent > 0, st["recent_ent"] / jnp.maximum(recent, 1e-30), 0.0
+        ),
+        "log_vnorm": lambda: _log(st["vnorm"]),
+        "log_age": lambda: jnp.log(seen),
+        "log_pos": lambda: jnp.log1p(jnp.maximum(pos, 0.0)),
+        "pos_frac": lambda: pos / jnp.maximum(length, 1.0),
+        "depth": lambda: jnp.broadcast_to(depth[:, None, None, None], pos.shape),
+        "z_attn_cum": lambda: _row_z(log_cum, valid),
+        "z_recent": lambda: _row_z(log_recent, valid),
+        "log_wo_vnorm": lambda: _log(critical_lib.projected_norms(cache.values(), wo_LNHD)),
+    }
+    feats = jnp.stack([cols[n]() for n in names], axis=-1)
     return jnp.where(valid[..., None], feats, 0.0)
 
 
@@ -111,11 +127,12 @@ class RankMLP(nn.Module):
         return nn.Dense(1)(x)[..., 0]
 
 
-def init_params(*, key: jax.Array, hidden: int = HIDDEN) -> dict:
+def init_params(
+    *, key: jax.Array, hidden: int = HIDDEN, n_features: int = len(DEFAULT_FEATURES)
+) -> dict:
     """Fresh parameters: the MLP's and the feature standardization (mean 0, scale 1)."""
-    n = len(FEATURES)
-    mlp = RankMLP(hidden).init(key, jnp.zeros((1, n)))["params"]
-    return {"mlp": mlp, "mean": jnp.zeros((n,)), "scale": jnp.ones((n,))}
+    mlp = RankMLP(hidden).init(key, jnp.zeros((1, n_features)))["params"]
+    return {"mlp": mlp, "mean": jnp.zeros((n_features,)), "scale": jnp.ones((n_features,))}
 
 
 def scores_from_features(params: dict, feats: jax.Array, valid: jax.Array) -> jax.Array:
@@ -129,19 +146,37 @@ def scores_from_features(params: dict, feats: jax.Array, valid: jax.Array) -> ja
 def ranker_policy(
     params: dict,
     *,
+    features: tuple[str, ...] = DEFAULT_FEATURES,
     recent_fraction: float = 0.0,
     sinks: int = 0,
     name: str = "ranker",
     spec: tuple = (),
 ) -> Policy:
-    """A Policy scoring every (layer, KV head) row with the ranker ``params``. Always kept:
-    the first ``sinks`` positions (attention sinks) and the newest
-    ``floor(recent_fraction * B)`` tokens of each sequence (as H2O's window)."""
+    """A Policy scoring every (layer, KV head) row with the ranker ``params`` over
+    ``features``. Always kept: the first ``sinks`` positions (attention sinks) and the newest
+    ``floor(recent_fraction * B)`` tokens of each sequence (as H2O's window).
+
+    The state is ``(params, wo_LNHD)``: ``init(wo_LNHD=None)`` takes the model's stacked
+    output projection, needed (and then required) only by ``MODEL_FEATURES``."""
     if not 0 <= recent_fraction <= 1:
         raise ValueError(f"recent_fraction must be in [0, 1], got {recent_fraction}")
+    features = tuple(features)
+    if params["mean"].shape != (len(features),):
+        raise ValueError(f"params for {params['mean'].shape[0]} features, got {features}")
+    needs_wo = any(n in MODEL_FEATURES for n in features)
+
+    def init(wo_LNHD=None):
+        if needs_wo and wo_LNHD is None:
+            raise ValueError(
+                f"{name} reads the model's output projection W_o; bind it to the model with "
+                "jaxkv.policies.with_model(policy, params)"
+            )
+        return params, wo_LNHD if needs_wo else None
 
     def score(state, cache, *, budget_B, **_):
-        s = scores_from_features(state, head_features(cache), cache.valid)
+        weights, wo = state
+        feats = head_features(cache, names=features, wo_LNHD=wo)
+        s = scores_from_features(weights, feats, cache.valid)
         if not (recent_fraction or sinks):
             return s  # the raw log-odds (module docstring)
         # squashed into [0, 1) under the protected tier (ranking unchanged), as the
@@ -151,19 +186,26 @@ def ranker_policy(
         s = jnp.where(cache.pos < sinks, TIER + 1.0, s)  # sinks above everything
         return jnp.where(cache.valid, s, -jnp.inf)
 
-    spec = (*spec, ("recent_fraction", recent_fraction), ("sinks", sinks))
-    return Policy(name=name, score=score, init=lambda: params, stats=STATS, spec=spec)
+    spec = (*spec, ("features", features), ("recent_fraction", recent_fraction), ("sinks", sinks))
+    return Policy(name=name, score=score, init=init, stats=STATS, spec=spec)
 
 
-def save_ranker(path: str | Path, params: dict, meta: dict[str, Any]) -> Path:
-    """Writes a ranker checkpoint (atomically replacing one at ``path``)."""
+def save_ranker(
+    path: str | Path,
+    params: dict,
+    meta: dict[str, Any],
+    *,
+    features: tuple[str, ...] = DEFAULT_FEATURES,
+) -> Path:
+    """Writes a ranker checkpoint over ``features`` (atomically replacing one at ``path``)."""
     hidden = params["mlp"]["Dense_0"]["kernel"].shape[-1]
-    meta = {"kind": KIND, "hidden": hidden, "features": list(FEATURES), **meta}
+    meta = {"kind": KIND, "hidden": hidden, "features": list(features), **meta}
     return checkpoint_lib.save(path, params, meta, meta_name=META)
 
 
 def load_ranker_params(path: str | Path) -> tuple[dict, dict]:
-    """Reads and verifies a ranker checkpoint: (params, meta).
+    """Reads and verifies a ranker checkpoint: (params, meta); ``meta["features"]`` names the
+    columns the params read.
 
     Raises:
         jaxkv.checkpoint.CheckpointError: no ranker checkpoint there, a damaged one, or one
@@ -175,11 +217,14 @@ def load_ranker_params(path: str | Path) -> tuple[dict, dict]:
         hidden = meta.get("hidden")
         if meta.get("kind") != KIND or type(hidden) is not int or hidden < 1:
             raise checkpoint_lib.CheckpointError(path, f"{META} does not describe a ranker")
-        if meta.get("features") != list(FEATURES):
+        features = meta.get("features")
+        if not isinstance(features, list) or not features or not set(features) <= set(FEATURES):
             raise checkpoint_lib.CheckpointError(
-                path, f"trained on features {meta.get('features')}, this jaxkv has {FEATURES}"
+                path, f"trained on features {features}, this jaxkv has {FEATURES}"
             )
-        abstract = jax.eval_shape(lambda: init_params(key=jax.random.key(0), hidden=hidden))
+        abstract = jax.eval_shape(
+            lambda: init_params(key=jax.random.key(0), hidden=hidden, n_features=len(features))
+        )
         return checkpoint_lib.restore(path, abstract, meta_name=META)
     except checkpoint_lib.CheckpointError as e:
         raise checkpoint_lib.CheckpointError(e.path, e.reason, what="ranker") from None
@@ -191,4 +236,10 @@ def load_ranker(path: str, **settings) -> Policy:
     params, meta = load_ranker_params(checkpoint_path(path))
     saved = {k: meta[k] for k in ("recent_fraction", "sinks") if k in meta}
     settings = {**saved, **settings}
-    return ranker_policy(params, name=f"{PREFIX}{path}", spec=(("path", str(path)),), **settings)
+    return ranker_policy(
+        params,
+        features=tuple(meta["features"]),
+        name=f"{PREFIX}{path}",
+        spec=(("path", str(path)),),
+        **settings,
+    )

@@ -14,11 +14,14 @@ The decode protocol evicts from caches already pruned, whose statistics differ (
 renormalizes over fewer tokens). For each ratio in ``pruned_ratios`` (none by default) a cache
 runs the same chunks but is compressed by H2O per head to ``max(r * N, min_budget)`` tokens
 after the prefill and after every chunk; its rows at each point are recorded too, each kept
-token with the full cache's future attention at its position as the target.
+token with the full cache's future attention at its position as the target. They train
+unless ``fit_pruned`` is off (then they only validate).
 
 With ``target="value"`` the target is that future attention times the token's value norm
 (``||v||``, the ``vnorm`` statistic): what dropping the token removes from the attention
-outputs, to first order, rather than from their weights (CriticalKV's argument).
+outputs, to first order, rather than from their weights (CriticalKV's argument). With
+``target="critical"`` the norm is taken after the output projection, ``||W_o v||_1`` (mean
+over the KV group's query heads: CriticalKV's own bound, the ``log_wo_vnorm`` feature).
 
 Loss. ListNet per (point, window, layer, KV head) row: the cross-entropy between the row's
 target distribution (future attention normalized over the row) and the softmax of its scores,
@@ -26,7 +29,7 @@ so the scores are log-odds of future attention.
 
 Windows are split once per domain: the first ``1 - val_fraction`` of each domain's text trains,
 the rest validates (reported as loss and as the share of the oracle's kept mass that the
-ranker's top-B keeps at r = 0.25, beside H2O's accumulated attention on the same rows).
+ranker's top-B keeps, beside H2O's accumulated attention on the same rows: ``evaluate_rows``).
 """
 
 from __future__ import annotations
@@ -49,8 +52,11 @@ from jaxkv.policies import get_policy
 from jaxkv.policies import ranker as ranker_lib
 from jaxkv.rl.data import TRAIN_DOMAINS, domain_text
 
-TARGETS = ("attention", "value")
-_VNORM = ranker_lib.FEATURES.index("log_vnorm")
+TARGETS = ("attention", "value", "critical")
+_NORM = {  # the norm each target weights the future attention by, as a stored log feature
+    "value": ranker_lib.FEATURES.index("log_vnorm"),
+    "critical": ranker_lib.FEATURES.index("log_wo_vnorm"),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +70,7 @@ class RankerConfig:
     chunk: int = 64
     horizon: int = 128
     pruned_ratios: tuple[float, ...] = ()
+    fit_pruned: bool = True  # False: the pruned caches' rows only validate
     min_budget: int = 32
     row_fraction: float = 0.34
     val_fraction: float = 0.1
@@ -75,7 +82,8 @@ class RankerConfig:
     batch: int = 4
     recent_fraction: float = 0.0  # saved with the ranker: see ranker.ranker_policy
     sinks: int = 0
-    target: str = "attention"  # or "value": future attention times the value norm
+    target: str = "attention"  # or "value" / "critical": times ||v|| / ||W_o v||_1
+    features: tuple[str, ...] = ranker_lib.DEFAULT_FEATURES  # the columns the ranker reads
 
     def __post_init__(self):
         if not all(0 < p and p + self.horizon <= self.window for p in self.points):
@@ -86,15 +94,30 @@ class RankerConfig:
             raise ValueError("points and horizon must lie on the chunk grid")
         if self.target not in TARGETS:
             raise ValueError(f"target must be one of {TARGETS}, got {self.target!r}")
+        unknown = set(self.features) - set(ranker_lib.FEATURES)
+        if not self.features or unknown:
+            raise ValueError(f"features must be some of {ranker_lib.FEATURES}, got {unknown}")
+
+    @property
+    def columns(self) -> np.ndarray:
+        """Indices of ``features`` among the collected ``ranker_lib.FEATURES``."""
+        return np.asarray([ranker_lib.FEATURES.index(n) for n in self.features])
 
 
 @dataclasses.dataclass
 class RowSet:
-    """Rows of one point P: features [R, P, F] (float16), targets [R, P] (float32)."""
+    """Rows of one point P: every ``ranker_lib.FEATURES`` column [R, P, F] (float16), targets
+    [R, P] (float32)."""
 
     point: int
     feats: np.ndarray
     target: np.ndarray
+    future: np.ndarray  # the future attention alone (the target before any norm), [R, P]
+    pruned: float | None = None  # the H2O ratio of the cache the rows come from (None: full)
+
+    @property
+    def name(self) -> str:
+        return str(self.point) if self.pruned is None else f"{self.point}@{self.pruned}"
 
 
 def domain_windows(tokenizer, cfg: RankerConfig, *, split: str) -> dict[str, np.ndarray]:
@@ -125,16 +148,17 @@ def _extend(params, tokens, cache, *, config):
     return extend(params, tokens, cache, config=config)[1]
 
 
-def _rows(cache, future_LBKT):
+def _rows(cache, future_LBKT, wo_LNHD):
     """Features [L, B, K, m, F] and targets [L, B, K, m] of the m valid slots of every row
     (every row holds the same number), the targets read at each slot's position."""
-    return _rows_jit(cache, future_LBKT, m=int(jnp.sum(cache.valid[0, 0, 0])))
+    return _rows_jit(cache, future_LBKT, wo_LNHD, m=int(jnp.sum(cache.valid[0, 0, 0])))
 
 
 @functools.partial(jax.jit, static_argnames=("m",))
-def _rows_jit(cache, future_LBKT, *, m):
+def _rows_jit(cache, future_LBKT, wo_LNHD, *, m):
     order = jnp.argsort(~cache.valid, axis=-1, stable=True)[..., :m]
-    feats = jnp.take_along_axis(ranker_lib.head_features(cache), order[..., None], axis=3)
+    feats = ranker_lib.head_features(cache, wo_LNHD=wo_LNHD)
+    feats = jnp.take_along_axis(feats, order[..., None], axis=3)
     pos = jnp.take_along_axis(cache.pos, order, axis=-1)
     return feats, jnp.take_along_axis(future_LBKT, pos, axis=-1)
 
@@ -154,8 +178,10 @@ def collect(params, config, windows: np.ndarray, cfg: RankerConfig, *, rng) -> l
     """Feature and target rows of every point of ``windows`` [n, window] (module docstring):
     one RowSet per point for the full cache, then one per (point, pruned ratio)."""
     kinds = [None, *cfg.pruned_ratios]
+    wo = params["layers"]["wo"]
     feats = {(k, p): [] for k in kinds for p in cfg.points}
     target = {(k, p): [] for k in kinds for p in cfg.points}
+    fut = {(k, p): [] for k in kinds for p in cfg.points}
     for b in tqdm(range(0, len(windows), cfg.batch), desc="ranker data", leave=False):
         tokens = jnp.asarray(windows[b : b + cfg.batch], jnp.int32)
         caches = {
@@ -177,19 +203,32 @@ def collect(params, config, windows: np.ndarray, cfg: RankerConfig, *, rng) -> l
         for p in cfg.points:
             future = cum[p + cfg.horizon] - cum[p]
             for k in kinds:
-                f, t = (np.asarray(x) for x in _rows(states[k][p], future))
+                f, t = (np.asarray(x) for x in _rows(states[k][p], future, wo))
                 f = f.reshape(-1, f.shape[-2], f.shape[-1]).astype(np.float16)
                 t = t.reshape(-1, t.shape[-1])
-                if cfg.target == "value":  # the stored (float16) log value norm
-                    t = t * np.exp(f[..., _VNORM].astype(np.float32))
                 keep = rng.random(len(t)) < cfg.row_fraction
                 feats[k, p].append(f[keep])
-                target[k, p].append(t[keep])
+                fut[k, p].append(t[keep])
+                target[k, p].append(weighted(t[keep], f[keep], cfg.target))
     return [
-        RowSet(p, np.concatenate(feats[k, p]), np.concatenate(target[k, p]))
+        RowSet(
+            p,
+            np.concatenate(feats[k, p]),
+            np.concatenate(target[k, p]),
+            np.concatenate(fut[k, p]),
+            pruned=k,
+        )
         for k in kinds
         for p in cfg.points
     ]
+
+
+def weighted(future: np.ndarray, feats: np.ndarray, target: str) -> np.ndarray:
+    """The ``target`` of rows [R, P] of future attention with their features [R, P, F]:
+    itself, or times the norm the target names (read from its stored float16 log)."""
+    if target not in _NORM:
+        return future
+    return future * np.exp(feats[..., _NORM[target]].astype(np.float32))
 
 
 def listnet(scores: jax.Array, target: jax.Array) -> jax.Array:
@@ -215,17 +254,19 @@ def kept_mass(scores: np.ndarray, target: np.ndarray, ratio: float) -> float:
     return float(np.mean(got / np.maximum(best.sum(-1), 1e-12)))
 
 
-def standardization(sets: list[RowSet]) -> tuple[np.ndarray, np.ndarray]:
-    """Mean and scale of every feature over all training entries."""
-    x = np.concatenate([s.feats.reshape(-1, s.feats.shape[-1]) for s in sets]).astype(np.float64)
+def standardization(sets: list[RowSet], cols: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Mean and scale of every feature of ``cols`` over all training entries."""
+    x = np.concatenate([s.feats[..., cols].reshape(-1, len(cols)) for s in sets])
+    x = x.astype(np.float64)
     return x.mean(0).astype(np.float32), np.maximum(x.std(0), 1e-3).astype(np.float32)
 
 
 def fit(sets: list[RowSet], cfg: RankerConfig, *, log=None) -> dict:
     """Trains the ranker on ``sets`` with Adam; returns its params."""
     key = jax.random.key(cfg.seed)
-    params = ranker_lib.init_params(key=key, hidden=cfg.hidden)
-    mean, scale = standardization(sets)
+    cols = cfg.columns
+    params = ranker_lib.init_params(key=key, hidden=cfg.hidden, n_features=len(cols))
+    mean, scale = standardization(sets, cols)
     params = {**params, "mean": jnp.asarray(mean), "scale": jnp.asarray(scale)}
     opt = optax.adam(optax.cosine_decay_schedule(cfg.lr, cfg.steps))
     opt_state = opt.init(params["mlp"])
@@ -244,7 +285,8 @@ def fit(sets: list[RowSet], cfg: RankerConfig, *, log=None) -> dict:
     for i in bar:
         s = sets[i % len(sets)]
         idx = rng.integers(0, len(s.target), size=cfg.rows_per_step)
-        params, opt_state, loss = step(params, opt_state, s.feats[idx], s.target[idx])
+        feats = s.feats[idx][..., cols]
+        params, opt_state, loss = step(params, opt_state, feats, s.target[idx])
         if i % 100 == 0:
             bar.set_postfix(loss=f"{float(loss):.4f}")
             if log:
@@ -252,38 +294,56 @@ def fit(sets: list[RowSet], cfg: RankerConfig, *, log=None) -> dict:
     return params
 
 
-def evaluate_rows(params, sets: list[RowSet], ratios=(0.25, 0.125)) -> dict:
-    """Validation loss and kept future mass (ranker vs accumulated attention, H2O's score)."""
+def evaluate_rows(params, sets: list[RowSet], cols: np.ndarray) -> dict:
+    """Validation loss and kept future mass, by the ranker reading feature columns ``cols``
+    and by accumulated attention (H2O's score): of the training target, and of the
+    ``critical`` one (every ranker's common yardstick), at r = 0.25 and 0.125 on full-cache
+    rows and r = 0.5 on pruned ones (the decode protocol drops few of a pruned cache)."""
     out = {}
     cum = ranker_lib.FEATURES.index("log_attn_cum")
     for s in sets:
-        feats = jnp.asarray(s.feats, jnp.float32)
+        feats = jnp.asarray(s.feats[..., cols], jnp.float32)
         valid = jnp.ones(feats.shape[:-1], bool)
         scores = np.asarray(ranker_lib.scores_from_features(params, feats, valid))
+        h2o = s.feats[..., cum].astype(np.float32)
+        critical = weighted(s.future, s.feats, "critical")
         row = {"loss": float(listnet_loss(params, feats, jnp.asarray(s.target)))}
-        for r in ratios:
+        for r in (0.25, 0.125) if s.pruned is None else (0.5,):
             row[f"kept_{r}"] = kept_mass(scores, s.target, r)
-            row[f"kept_attn_cum_{r}"] = kept_mass(s.feats[..., cum].astype(np.float32), s.target, r)
-        out[s.point] = row
+            row[f"kept_attn_cum_{r}"] = kept_mass(h2o, s.target, r)
+            row[f"kept_critical_{r}"] = kept_mass(scores, critical, r)
+            row[f"kept_critical_attn_cum_{r}"] = kept_mass(h2o, critical, r)
+        out[s.name] = row
     return out
 
 
 def train(model, cfg: RankerConfig, out: Path) -> Path:
-    """Collects data, fits, validates and saves a ranker at ``out`` (with ``metrics.json``)."""
-    out = Path(out)
+    """Collects data, fits, validates and saves a ranker at ``out`` (``collect_splits``, then
+    ``fit_and_save``)."""
     t0 = time.time()
+    return fit_and_save(collect_splits(model, cfg), cfg, out, seconds=time.time() - t0)
+
+
+def collect_splits(model, cfg: RankerConfig) -> dict[str, list[list[RowSet]]]:
+    """Rows of every training domain's train and validation windows: split -> per domain."""
     rng = np.random.default_rng(cfg.seed)
-    data = {
+    return {
         split: [
             collect(model.params, model.config, w, cfg, rng=rng)
             for w in domain_windows(model.tokenizer, cfg, split=split).values()
         ]
         for split in ("train", "val")
     }
-    train_sets = _merge(data["train"])
-    params = fit(train_sets, cfg)
+
+
+def fit_and_save(data: dict, cfg: RankerConfig, out: Path, *, seconds: float = 0.0) -> Path:
+    """Fits a ranker on ``data["train"]`` (``collect_splits``), validates it on
+    ``data["val"]`` and saves it at ``out`` (the validation in its meta)."""
+    t0 = time.time()
+    train_sets = [[s for s in sets if cfg.fit_pruned or s.pruned is None] for sets in data["train"]]
+    params = fit(_merge(train_sets), cfg)
     val = {
-        domain: evaluate_rows(params, sets)
+        domain: evaluate_rows(params, sets, cfg.columns)
         for domain, sets in zip(cfg.domains, data["val"], strict=True)
     }
     meta = {
@@ -291,11 +351,10 @@ def train(model, cfg: RankerConfig, out: Path) -> Path:
         "sinks": cfg.sinks,
         "config": dataclasses.asdict(cfg),
         "trained_on": list(cfg.domains),
-        "validation": {d: {str(p): v for p, v in rows.items()} for d, rows in val.items()},
-        "seconds": round(time.time() - t0, 1),
+        "validation": val,
+        "seconds": round(seconds + time.time() - t0, 1),
     }
-    ranker_lib.save_ranker(out, params, meta)
-    return out
+    return ranker_lib.save_ranker(Path(out), params, meta, features=cfg.features)
 
 
 def _merge(per_domain: list[list[RowSet]]) -> list[RowSet]:
@@ -304,6 +363,8 @@ def _merge(per_domain: list[list[RowSet]]) -> list[RowSet]:
             sets[0].point,
             np.concatenate([s.feats for s in sets]),
             np.concatenate([s.target for s in sets]),
+            np.concatenate([s.future for s in sets]),
+            pruned=sets[0].pruned,
         )
         for sets in zip(*per_domain, strict=True)
     ]
