@@ -431,3 +431,17 @@ def test_default_job_and_subcommands():
         "tova",
         "learned:distillcache_smollm2_cpu",
     }
+
+
+def test_fidelity_evicts_every_k_steps_when_asked(tmp_path):
+    """``--evict-every k``: the recorded setting, the same KL as the library's loop at that
+    period, and r = 1 still the full cache."""
+    args = ["fidelity", *TINY, *WINDOWS, "--limit", "2", "--policies", "full,h2o"]
+    assert _run([*args, "--ratios", "1,0.5", "--evict-every", "8"], tmp_path / "k8") == 0
+    doc = _load(tmp_path / "k8", "fidelity")
+    assert doc["config"]["evict_every"] == 8
+    kl = {(r["policy"], r["ratio"]): r["kl_mean"] for r in doc["results"]}
+    assert kl[("h2o", 1.0)] == 0.0 and kl[("h2o", 0.5)] > 0.0
+    assert _run([*args, "--ratios", "0.5"], tmp_path / "k1") == 0
+    one = {r["policy"]: r["kl_mean"] for r in _load(tmp_path / "k1", "fidelity")["results"]}
+    assert one["h2o"] != kl[("h2o", 0.5)]  # evicting less often keeps other tokens

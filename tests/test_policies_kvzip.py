@@ -114,6 +114,7 @@ def test_kvzip_runs_only_in_the_prefill_protocol_of_fidelity(tmp_path):
     assert eval_lib.main(["fidelity", "--policies", "kvzip", *common]) == 2  # decode protocol
     prefill = ["fidelity", "--policies", "kvzip", "--protocol", "prefill", *common]
     assert eval_lib.main([*prefill, "--head-cap", "4"]) == 2  # needs a pooled granularity
+    assert eval_lib.main([*prefill, "--evict-every", "4"]) == 2  # the decode protocol only
     assert eval_lib.main(["retrieval", "--policies", "full,kvzip", *common]) == 2
     assert (
         eval_lib.main(["generate", "--model", "tiny", "--prompt", "hi", "--policy", "kvzip"]) == 2

@@ -268,6 +268,13 @@ def _fidelity_flags(parser: argparse.ArgumentParser) -> None:
         help="adaptive/global: each KV head keeps at most floor(x*B) tokens, and has that many "
         "slots (default 2; a cap of 1/r or more keeps no memory: kvpress's masked KVzip)",
     )
+    parser.add_argument(
+        "--evict-every",
+        type=flags.positive_int,
+        default=None,
+        help="decode protocol: evict after every k-th decode step, with k slots of slack "
+        "(default 1, the paper's)",
+    )
 
 
 def _selection_flags(parser: argparse.ArgumentParser) -> None:
@@ -303,6 +310,7 @@ def _fidelity(args: argparse.Namespace, job: runner.Job) -> report.ResultStore:
         kv_dtype=args.kv_dtype,
         head_floor=args.head_floor,
         head_cap=args.head_cap,
+        evict_every=args.evict_every,
     )
 
 

@@ -69,6 +69,7 @@ NAME = "fidelity"
 TITLE = "Fidelity to the full cache (teacher forcing, paper Fig. 1)"
 DEFAULT_TEXT = "tinyshakespeare (held-out tail)"
 KV_DTYPES = ("model", kvcache.INT8)
+COMPRESSION_OPTIONS = ("head_floor", "head_cap", "evict_every")  # FidelitySettings -> Compression
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +86,7 @@ class FidelitySettings:
             ``int8`` (an int8 KV cache; the reference always keeps the model's).
         head_floor, head_cap: the pooled granularities' per-head bounds
             (``Compression.head_floor`` / ``head_cap``); None: ``Compression``'s defaults.
+        evict_every: decode steps between evictions (``Compression.evict_every``); None: 1.
     """
 
     prompt_len: int = 256
@@ -95,16 +97,18 @@ class FidelitySettings:
     kv_dtype: str = "model"
     head_floor: float | None = None
     head_cap: float | None = None
+    evict_every: int | None = None
 
     def __post_init__(self):
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
 
     @property
-    def pooling(self) -> dict:
-        """The per-head bounds given, as ``Compression`` keyword arguments."""
-        bounds = {"head_floor": self.head_floor, "head_cap": self.head_cap}
-        return {k: v for k, v in bounds.items() if v is not None}
+    def compression_options(self) -> dict:
+        """The ``Compression`` settings given (per-head bounds, eviction period), as keyword
+        arguments."""
+        given = {n: getattr(self, n) for n in COMPRESSION_OPTIONS}
+        return {k: v for k, v in given.items() if v is not None}
 
     @property
     def cache_dtype(self) -> str | None:
@@ -243,7 +247,7 @@ def run(
                     min_budget=settings.min_budget,
                     protocol=settings.protocol,
                     granularity=settings.granularity,
-                    **settings.pooling,
+                    **settings.compression_options,
                 )
             for group in groups:
                 for member, seed in [(None, seeds[0])] if group.is_full else group.runs(seeds):
@@ -295,7 +299,7 @@ def _alone(policy, ratio: float, settings: FidelitySettings) -> Compression:
         min_budget=settings.min_budget,
         granularity=settings.granularity,
         protocol=settings.protocol,
-        **settings.pooling,
+        **settings.compression_options,
     )
 
 
@@ -383,15 +387,15 @@ def _non_default_selection(settings: FidelitySettings) -> dict:
     default = FidelitySettings()
     return {
         name: getattr(settings, name)
-        for name in ("protocol", "granularity", "kv_dtype", "head_floor", "head_cap")
+        for name in ("protocol", "granularity", "kv_dtype", *COMPRESSION_OPTIONS)
         if getattr(settings, name) != getattr(default, name)
     }
 
 
-def check_selection(job: Job, **pooling) -> None:
+def check_selection(job: Job, **options) -> None:
     """Every evicting policy of ``job`` supports its granularity and protocol, and the
-    ``pooling`` bounds are valid (raises the ``Compression`` error naming the policy, before
-    the model loads)."""
+    ``Compression`` ``options`` are valid (raises the ``Compression`` error naming the policy,
+    before the model loads)."""
     for group in job.groups:
         for policy in group.members:
             if policy.evicts:
@@ -400,7 +404,7 @@ def check_selection(job: Job, **pooling) -> None:
                     ratio=1.0,
                     granularity=job.granularity,
                     protocol=job.protocol,
-                    **pooling,
+                    **options,
                 )
 
 
@@ -426,6 +430,7 @@ def evaluate(
     kv_dtype: str = "model",
     head_floor: float | None = None,
     head_cap: float | None = None,
+    evict_every: int | None = None,
 ) -> report.ResultStore:
     """Cuts the text into ``job.limit`` windows and runs ``run``; returns the finished store.
 
@@ -442,6 +447,7 @@ def evaluate(
         kv_dtype: ``model`` or ``int8`` (``FidelitySettings.kv_dtype``).
         head_floor, head_cap: per-head bounds of ``adaptive`` and ``global`` (None: the
             defaults; an error with any other granularity).
+        evict_every: decode steps between evictions (None: 1; the ``decode`` protocol only).
 
     Raises:
         ValueError, FileNotFoundError: ``prompt_len`` not below ``window``, a policy that
@@ -455,7 +461,10 @@ def evaluate(
     if pooling and job.granularity not in POOLED:
         names = "/".join("--" + k.replace("_", "-") for k in pooling)
         raise ValueError(f"{names}: only with --granularity adaptive or global")
-    check_selection(job, **pooling)
+    if evict_every is not None and job.protocol != "decode":
+        raise ValueError("--evict-every: only with --protocol decode (prefill evicts once)")
+    options = {**pooling, **({"evict_every": evict_every} if evict_every is not None else {})}
+    check_selection(job, **options)
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
     if text is not None and wikitext is not None:
@@ -478,7 +487,7 @@ def evaluate(
         protocol=job.protocol,
         granularity=job.granularity,
         kv_dtype=kv_dtype,
-        **pooling,
+        **options,
     )
     store = report.ResultStore(
         job.out,

@@ -357,19 +357,19 @@ def switch_compression(
     min_budget: int = 32,
     protocol: str = "decode",
     granularity: str = "shared",
-    **pooling,
+    **options,
 ) -> Compression:
     """The Compression of a switch policy at ``ratio``; ``granularity`` is the members' (that
     of ``switch_policy``): the outer one is ``"head"``, or the members' when it pools rows
-    (``"adaptive"``, ``"global"``; see module), with ``pooling``'s ``head_floor`` /
-    ``head_cap`` if given."""
+    (``"adaptive"``, ``"global"``; see module). ``options`` are further ``Compression``
+    settings (``head_floor``, ``head_cap``, ``evict_every``)."""
     return Compression(
         policy=policy,
         ratio=ratio,
         min_budget=min_budget,
         granularity=granularity if granularity in eviction.POOLED else "head",
         protocol=protocol,
-        **pooling,
+        **options,
     )
 
 
