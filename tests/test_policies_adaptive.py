@@ -30,6 +30,14 @@ def _reference_allocation(scores_KC, valid_KC, budget, floor, cap):
     return counts
 
 
+def _allocate(scores, pos, budget, floor, cap, **kw):
+    """``eviction.adaptive_budgets`` on numpy inputs, as numpy."""
+    arrays = (jnp.asarray(a) for a in (scores, pos, budget))
+    return np.asarray(
+        eviction.adaptive_budgets(*arrays, floor_B=jnp.asarray(floor), cap_B=jnp.asarray(cap), **kw)
+    )
+
+
 def test_allocation_equals_the_written_out_reference():
     rng = np.random.default_rng(0)
     L, B, K, C = 3, 2, 4, 16
@@ -37,15 +45,7 @@ def test_allocation_equals_the_written_out_reference():
     pos = np.where(rng.uniform(size=(L, B, K, C)) < 0.2, -1, 1).astype(np.int32)
     budget = np.array([5, 3], np.int32)
     floor, cap = np.array([1, 0], np.int32), np.array([10, 6], np.int32)
-    got = np.asarray(
-        eviction.adaptive_budgets(
-            jnp.asarray(scores),
-            jnp.asarray(pos),
-            jnp.asarray(budget),
-            floor_B=jnp.asarray(floor),
-            cap_B=jnp.asarray(cap),
-        )
-    )
+    got = _allocate(scores, pos, budget, floor, cap)
     for l in range(L):
         for b in range(B):
             want = _reference_allocation(scores[l, b], pos[l, b] >= 0, budget[b], floor[b], cap[b])
@@ -123,16 +123,7 @@ def test_global_pools_every_layer_and_head_of_a_sequence():
     pos = np.where(rng.uniform(size=(L, B, K, C)) < 0.2, -1, 1).astype(np.int32)
     budget = np.array([4, 3], np.int32)
     floor, cap = np.array([1, 0], np.int32), np.array([8, 6], np.int32)
-    got = np.asarray(
-        eviction.adaptive_budgets(
-            jnp.asarray(scores),
-            jnp.asarray(pos),
-            jnp.asarray(budget),
-            floor_B=jnp.asarray(floor),
-            cap_B=jnp.asarray(cap),
-            over_layers=True,
-        )
-    )
+    got = _allocate(scores, pos, budget, floor, cap, over_layers=True)
     for b in range(B):
         rows_KC = scores[:, b].reshape(L * K, C)
         valid = pos[:, b].reshape(L * K, C) >= 0
