@@ -12,14 +12,16 @@ variants take in turns):
   eviction alone. (The decode-only variants free the slot they have just written, one
   elementwise op on ``pos``, so that no cache ever overflows.)
 
-With ``--evict-every K`` the compressed cache has K slots of slack and eviction runs after every
-K-th decode step (``Compression.evict_every``, dropping up to K tokens): one timed call of a
-compressed variant is K decode steps and one eviction, reported per decode step.
+``--kv-dtype int8`` stores the compressed caches' keys and values in int8 (per-slot scales;
+the full cache stays float32). With ``--evict-every K`` the compressed cache has K slots of
+slack and eviction runs after every K-th decode step (``Compression.evict_every``, dropping
+up to K tokens): one timed call of a compressed variant is K decode steps and one eviction,
+reported per decode step.
 
 Writes ``results/bench_eviction.{json,md}`` (``--out PATH``: ``PATH.{json,md}``).
 
     .venv/bin/python scripts/bench_eviction.py [--steps 64] [--context 4096] [--batch 8]
-        [--policy h2o] [--evict-every 1] [--out results/bench_eviction]
+        [--policy h2o] [--evict-every 1] [--kv-dtype model] [--out results/bench_eviction]
 """
 
 from __future__ import annotations
@@ -41,18 +43,26 @@ from jaxkv.model import decoder
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
-def filled_cache(config, *, batch, capacity, n_valid, stats):
-    """A cache whose first ``n_valid`` slots hold random tokens at positions 0..n_valid-1."""
-    cache = kvcache.init_cache(config, batch_size=batch, capacity=capacity, stats=stats)
+def filled_cache(config, *, batch, capacity, n_valid, stats, dtype=None):
+    """A cache whose first ``n_valid`` slots hold random tokens at positions 0..n_valid-1
+    (``dtype="int8"``: random int8 keys and values, unit scales)."""
+    cache = kvcache.init_cache(
+        config, batch_size=batch, capacity=capacity, stats=stats, dtype=dtype
+    )
     key = jax.random.key(0)
     shape = cache.k[:, :, :, :n_valid].shape
     filled = {
         n: jax.random.uniform(jax.random.fold_in(key, i), cache.pos.shape)
         for i, n in enumerate(cache.stats)
     }
+    k, v = jax.random.normal(key, shape), jax.random.normal(jax.random.fold_in(key, 99), shape)
+    if cache.k_scale is not None:
+        k, v = (jnp.clip(jnp.round(16 * x), -127, 127) for x in (k, v))
+        ones = jnp.ones(cache.pos.shape, jnp.float32)
+        cache = cache.replace(k_scale=ones / 16, v_scale=ones / 16)
     return cache.replace(
-        k=cache.k.at[:, :, :, :n_valid].set(jax.random.normal(key, shape)),
-        v=cache.v.at[:, :, :, :n_valid].set(jax.random.normal(jax.random.fold_in(key, 99), shape)),
+        k=cache.k.at[:, :, :, :n_valid].set(k.astype(cache.k.dtype)),
+        v=cache.v.at[:, :, :, :n_valid].set(v.astype(cache.v.dtype)),
         pos=cache.pos.at[:, :, :, :n_valid].set(jnp.arange(n_valid)),
         stats=filled,
         length=jnp.full((batch,), n_valid, jnp.int32),
@@ -85,6 +95,12 @@ def main():
     ap.add_argument("--ratio", type=float, default=0.25)
     ap.add_argument("--policy", default="h2o")
     ap.add_argument("--evict-every", type=int, default=1, help="decode steps per eviction")
+    ap.add_argument(
+        "--kv-dtype",
+        default="model",
+        choices=("model", "int8"),
+        help="the compressed caches' storage (the full cache stays the model's dtype)",
+    )
     ap.add_argument("--out", default=str(RESULTS / "bench_eviction"), help="path without suffix")
     args = ap.parse_args()
     model = jaxkv.load("smollm2-135m")
@@ -123,8 +139,12 @@ def main():
     }
     cap, budget = comps["shared"].capacity(n_max), comps["shared"].max_budget(n_max)
 
+    dtype = None if args.kv_dtype == "model" else args.kv_dtype
+
     def fresh(stats):
-        return filled_cache(cfg, batch=args.batch, capacity=cap, n_valid=budget, stats=stats)
+        return filled_cache(
+            cfg, batch=args.batch, capacity=cap, n_valid=budget, stats=stats, dtype=dtype
+        )
 
     variants["decode_nostats"] = (plain, fresh(()))
     variants["decode_stats"] = (plain, fresh(comps["shared"].stats))
@@ -160,6 +180,7 @@ def summarize(rows, full_bytes, small_bytes, args, policy_stats):
     lines = [
         f"# Eviction benchmark (SmolLM2-135M, batch {args.batch}, context {args.context}, "
         f"r = {args.ratio}, policy {args.policy}, evict every {args.evict_every} step(s), "
+        f"compressed KV {args.kv_dtype}, "
         f"median of {args.steps} interleaved calls)",
         "",
         f"The cache carries the statistics the policy reads: {', '.join(policy_stats) or 'none'}"

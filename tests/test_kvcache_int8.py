@@ -236,6 +236,9 @@ def test_every_policy_granularity_and_protocol_keeps_the_budget_on_an_int8_cache
     held_LBK = np.asarray(jnp.sum(cache.pos >= 0, axis=-1))
     if granularity == "adaptive":  # a layer holds K * B, spread unevenly over its heads
         np.testing.assert_array_equal(held_LBK.sum(axis=-1), CFG.n_kv_heads * budget)
+    elif granularity == "global":  # a sequence holds L * K * B, spread over all its rows
+        rows = CFG.n_layers * CFG.n_kv_heads
+        np.testing.assert_array_equal(held_LBK.sum(axis=(0, 2)), rows * budget)
     else:
         np.testing.assert_array_equal(held_LBK, budget)
     # every held slot has a real scale; quantized keys of free slots are never read

@@ -218,10 +218,10 @@ def test_every_granularity_keeps_the_budget_and_the_sinks(granularity, protocol,
     held = np.asarray(cache.pos)
     L, B, K = held.shape[:3]
     n_held = (held >= 0).sum(-1)
-    if protocol == "decode":
-        per_layer = n_held.sum(-1) if granularity == "adaptive" else n_held
-        want = K * 9 if granularity == "adaptive" else 9  # floor(0.25 * 39)
-        np.testing.assert_array_equal(per_layer, want)
+    if protocol == "decode":  # B = floor(0.25 * 39) = 9 per row, pooled by adaptive / global
+        pooled = {"adaptive": (-1,), "global": (0, 2)}.get(granularity, ())
+        rows = int(np.prod([n_held.shape[a] for a in pooled]))
+        np.testing.assert_array_equal(n_held.sum(axis=pooled) if pooled else n_held, rows * 9)
     for l in range(L):
         for b in range(B):
             for k in range(K):

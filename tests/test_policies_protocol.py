@@ -27,7 +27,13 @@ def full_stream():
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 @pytest.mark.parametrize(
     "name, granularity",
-    [("h2o", "shared"), ("snapkv", "head"), ("tova", "adaptive"), ("critical:knorm", "layer")],
+    [
+        ("h2o", "shared"),
+        ("snapkv", "head"),
+        ("tova", "adaptive"),
+        ("critical:knorm", "layer"),
+        ("h2o", "global"),
+    ],
 )
 def test_ratio_one_equals_the_full_cache_bit_for_bit(name, granularity, protocol, full_stream):
     comp = Compression.make(name, ratio=1.0, protocol=protocol, granularity=granularity)
