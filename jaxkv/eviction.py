@@ -56,10 +56,10 @@ from jaxkv import kvcache
 from jaxkv.kvcache import KVCache
 from jaxkv.policies import GRANULARITIES as POLICY_GRANULARITIES
 from jaxkv.policies import Policy, get_policy
+from jaxkv.policies.base import PROTOCOLS
 
 POOLED = ("adaptive", "global")  # granularities that pool rows' budgets (per layer, or all)
 GRANULARITIES = (*POLICY_GRANULARITIES, *POOLED)
-PROTOCOLS = ("decode", "prefill")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +134,11 @@ class Compression:
             raise ValueError("full_heads (head-level hybrid) needs granularity='head'")
         if self.protocol not in PROTOCOLS:
             raise ValueError(f"unknown protocol {self.protocol!r}; choose one of {PROTOCOLS}")
+        if self.protocol not in self.policy.protocols:
+            raise ValueError(
+                f"policy {self.policy.name!r} needs protocol {' or '.join(self.policy.protocols)}"
+                f" (--protocol), not {self.protocol!r}"
+            )
         if not (_is_real(self.head_floor) and 0 <= self.head_floor <= 1):
             raise ValueError(f"head_floor must be in [0, 1], got {self.head_floor}")
         if not (_is_real(self.head_cap) and self.head_cap >= 1):

@@ -14,6 +14,8 @@ import argparse
 import math
 from collections.abc import Callable
 
+from jaxkv.model import loading
+
 SEED_LIMIT = 2**31
 """Seeds are integers in [0, SEED_LIMIT) (``jax.random.key`` takes them as int32)."""
 
@@ -83,7 +85,6 @@ def parse_seeds(text: str) -> list[int]:
     return seeds
 
 
-DTYPES = ("float32", "bfloat16", "float16", "int8")
 DEFAULT_DTYPE = "float32"
 
 
@@ -92,7 +93,7 @@ def dtype_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype",
         default=DEFAULT_DTYPE,
-        choices=DTYPES,
+        choices=loading.DTYPES,
         help="model weights: float32 (default), bfloat16, float16, or int8 (weight-only int8 "
         "through qwix, float32 activations)",
     )

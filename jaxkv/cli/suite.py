@@ -161,10 +161,6 @@ def _job(args: argparse.Namespace, command: str) -> runner.Job:
     groups = runner.parse_policies(args.policies)
     _check_families(groups, command)
     selection = {n: getattr(args, n) for n in ("protocol", "granularity") if hasattr(args, n)}
-    if selection.get("protocol") != "prefill" and any(
-        p.name == "kvzip" for g in groups for p in g.members
-    ):
-        raise ValueError("kvzip compresses the prompt once: it needs --protocol prefill")
     return runner.Job(
         model=args.model,
         groups=tuple(groups),

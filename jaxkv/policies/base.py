@@ -14,6 +14,7 @@ from typing import Any
 from jaxkv.kvcache import stat_names
 
 GRANULARITIES = ("shared", "layer", "head")
+PROTOCOLS = ("decode", "prefill")  # when eviction runs (``jaxkv.eviction``)
 TIER = 2.0  # added to the [0, 1) scores of protected slots (sinks, recent windows)
 
 
@@ -26,6 +27,7 @@ class Policy:
         score: ``(state, cache, *, budget_B, key) -> scores``.
         init: ``() -> state`` (a pytree, e.g. learned weights; None for heuristics).
         granularities: selection granularities it supports (see ``GRANULARITIES``).
+        protocols: the eviction protocols it supports (see ``PROTOCOLS``).
         window: time constant of the cache's ``recent`` statistics it reads.
         stats: the cache statistics it reads (``jaxkv.kvcache.STAT_NAMES``, and
             ``jaxkv.kvcache.QUERIES`` for the query moments); the decoder
@@ -39,6 +41,7 @@ class Policy:
     score: Callable[..., Any]
     init: Callable[[], Any] = lambda: None
     granularities: tuple[str, ...] = GRANULARITIES
+    protocols: tuple[str, ...] = PROTOCOLS
     window: int = 64
     stats: tuple[str, ...] = ()
     evicts: bool = True

@@ -79,4 +79,4 @@ def kvzip() -> Policy:
         prompt = jnp.take_along_axis(state.scores, idx, axis=-1)
         return jnp.where(later, 2 * TIER, prompt)
 
-    return Policy(NAME, score=score, init=init)
+    return Policy(NAME, score=score, init=init, protocols=("prefill",))
