@@ -48,7 +48,15 @@ PREFILL = 512
 # --- parity ---------------------------------------------------------------------------------
 
 
-def stream(model, windows, *, kv_dtype=None, compression=None):
+def stream(model, windows, *, kv_dtype=None, compression=None, batch=None):
+    """Teacher-forced logits of ``windows``; with ``batch``, that many windows at a time
+    (batch 1: decode runs the one-row path of ``weights_int8``)."""
+    if batch is not None:
+        parts = [
+            stream(model, windows[i : i + batch], kv_dtype=kv_dtype, compression=compression)
+            for i in range(0, len(windows), batch)
+        ]
+        return np.concatenate(parts)
     logits, _ = teacher_forced(
         model.params,
         windows,
@@ -89,6 +97,7 @@ def parity(f32, int8, n_windows: int) -> list[dict]:
     runs = [
         ("float32", "float32", "full", f32, {}),
         ("int8", "float32", "full", int8, {}),
+        ("int8", "float32", "full, batch 1", int8, dict(batch=1)),
         ("float32", "int8", "full", f32, dict(kv_dtype="int8")),
         ("int8", "int8", "full", int8, dict(kv_dtype="int8")),
         ("float32", "float32", "tova r=0.25", f32, dict(compression=tova)),
@@ -194,34 +203,76 @@ def speed(engines: dict, *, reps: int, steps: int) -> list[dict]:
 # --- report ---------------------------------------------------------------------------------
 
 NOTES = [
-    "## How it runs, and why through qwix",
+    "## How it runs",
     "",
     "`jaxkv.model.weights_int8` quantizes with qwix (`qwix.quantize`: symmetric absmax, "
-    "int8, one float32 scale per output channel and layer) and multiplies with `qwix.einsum` "
-    "on `qwix.QArray` leaves of the plain params tree. qwix's core API needs no Flax module, "
-    "so it fits the pure-functional decoder; its model-level PTQ (`quantize_model` with a "
-    "`PtqProvider`) intercepts Flax module calls and is not used. `pip install qwix` adds "
-    "only qwix (pure Python; jax, flax, numpy, opt_einsum, absl-py already installed), keeps "
-    "jax 0.10.2 / flax 0.12.8 and pulls no torch.",
+    "int8, one float32 scale per output channel and layer; qwix's core API needs no Flax "
+    "module, so it fits the pure-functional decoder; `pip install qwix` adds only qwix and "
+    "pulls no torch). Each quantized weight is an `Int8Weight` leaf of the plain params "
+    "tree: its int8 values stored `[layers, O, I]` (output channels first, the contracted "
+    "axes last and flattened) and its scales `[layers, O, 1]`; `dense` gives the float "
+    "weight back in its own layout.",
     "",
-    "Activations stay float (weight-only), so qwix dequantizes each weight (`q * scale`) and "
-    "runs a float dot. Under jit XLA:CPU fuses that dequantization with the read of the "
-    "layer's slice out of the stacked weights, which the float32 decoder copies anyway "
-    "(results/profile_decode.md): the copy now reads 1 byte per weight instead of 4, and the "
-    "dots are unchanged. That is where the decode gain comes from; a prefill dequantizes "
-    "each layer once for 512 tokens (about 60 ms of a 3 s call in a profile), so it is "
-    "about even. XLA:CPU does not fuse the int8 -> float conversion into the dot itself. "
-    "Two layouts had to be avoided (per-op profiles of `decode_step` with "
-    "`scripts/profile_decode.py`'s tracer): (1) `qwix.einsum` on the 3-D projection "
-    "weights (`btd,dnh->btnh`, `btnh,nhd->btd`) made XLA write the dequantized q and o "
-    "weights in a transposed layout, 3-6x slower than on 2-D `[in, out]` views, which "
-    "`weights_int8.einsum` now passes; (2) dequantizing the tied 49152 x 576 embedding at "
-    "once for the output head wrote a fresh 113 MB float array per call (106 ms of a "
-    "274 ms step), so the head is applied in chunks of 4096 vocabulary rows (`lax.map`).",
+    "Activations stay float (weight-only). In a decode step at batch 1 every product is "
+    "`x @ (q * scale).T`, which XLA:CPU turns into one fused loop per weight that reads the "
+    "layer's int8 slice of the stacked weights in place and converts, scales and "
+    "accumulates in registers: 1 byte read per weight, nothing written. Before, the "
+    "weights were stored in the float layout `[I, O]` and multiplied through "
+    "`qwix.einsum`, for which XLA wrote each layer's dequantized weight as a fresh float32 "
+    "array at every step and read it back in a separate dot (32-58 % of the step in the "
+    'profiles of results/profile_decode.md, "After int8 weights"). Two details make the '
+    "fused loop fast: only the spelling `x @ w.T` fuses (`einsum('ti,oi->to')` does not), "
+    "and the vector `x` is computed into its own buffer first (`weights_int8._materialized`, "
+    "a conditional with two identity branches): otherwise XLA fused the attention output's "
+    "adds and broadcasts into the o projection's loop, recomputing them for every output "
+    "channel (8-16 ms of a 24-36 ms step). The tied 49152 x 576 head is one fused loop "
+    "too (decode at batch 1); with more rows it runs in chunks of 4096 vocabulary rows "
+    "(`lax.map`), as before, so no 113 MB float copy is written per call.",
+    "",
+    "With a few rows (batch 2-64 decode) XLA does not fuse, and the int8 matrix is "
+    "converted to float32 and multiplied on the left, scales after the dot "
+    "(`(q @ x.T) * scale`): at 8 rows that was about as fast as the old float-layout "
+    "path, where `x @ (q * scale).T` was 0.55-0.77x. Prefill (more rows) dequantizes each "
+    "layer once per call, as before.",
     "",
     "Timings on this shared 2-core machine are noisy (other jobs ran alongside): read the "
-    "ratios. A separate 15-repetition run of prefill alone gave 180.8 (float32) vs 182.6 "
-    "(int8) tokens/s.",
+    "ratios. `scripts/profile_decode.py compare --dtype int8` times this int8 path against "
+    "the one before it side by side (results/profile_decode.md). The run of this script "
+    "before the change gave int8 / float32 = 0.75 (1K) and 0.88 (4K) for decode at batch 1 "
+    "and 1.04 for prefill; the batch-1 parity row equals the batched one because only the "
+    "order of float32 sums differs.",
+    "",
+    "## What was tried on the way (30 layers of the MLP alone, batch 1, in turns)",
+    "",
+    "Scratch benchmarks of one stacked `lax.scan` over 30 layers of gate, up and down "
+    "projections (80 MB of int8), the variants taking turns in one process, 15 turns "
+    "(load ~5: read the ratios); paired ratio against the qwix path (dequantize `[I, O]`, "
+    "then dot). Not kept as code.",
+    "",
+    "| variant | median ms | best ms | paired speed-up |",
+    "|---|---|---|---|",
+    "| qwix path: `x @ (q * s)` on `[I, O]` | 26.0 | 15.7 | 1.00x |",
+    "| `[I, O]`, convert, dot, scales after | 25.0 | 14.2 | 0.99x |",
+    "| `[O, I]`: `(x @ q.T) * s` | 14.1 | 9.1 | 1.82x |",
+    "| **`[O, I]`: `x @ (q * s).T` (kept)** | **11.7** | **6.9** | **2.13x** |",
+    "| `[O, I]`: multiply and sum over I | 409 | 321 | 0.05x |",
+    "| int8 x int8: `x` quantized per row (absmax / 127), int32 accumulation, `[I, O]` "
+    "| 28.1 | 21.0 | 0.89x |",
+    "| int8 x int8, `[O, I]` | 29.7 | 23.7 | 0.92x |",
+    "",
+    "In another run the weight as the left operand (`[I, O]` or `[O, I]`) or `x` as a "
+    "rank-1 vector did not fuse (0.97-1.03x).",
+    "",
+    "The int8 x int8 dot (as llama.cpp's Q8_0, which would use the CPU's AVX512-VNNI) does "
+    "not pay on XLA:CPU: the compiled HLO converts the int8 weights to a materialized int32 "
+    "copy (`convert_bitcast_fusion s32[1536,576]`) and runs an int32 dot, 4 bytes written "
+    "and read per weight again; it was not taken into the decoder, so it has no parity "
+    "numbers. With a few rows (`x` of M rows, same 30-layer MLP, a busier machine, paired "
+    "against the qwix path): M = 2: `x @ (q * s).T` 0.68x, `(q @ x.T) * s` 0.96x, one "
+    "fused matrix-vector loop per row 1.45x; M = 4: 0.55x, 1.12x, 0.89x; M = 8: "
+    "0.74-0.77x, 0.88x, 0.54x; M = 512: 1.00x, 0.77x. Hence `_matmul_t`: the fused loop "
+    "for one row, `(q @ x.T) * s` up to 64 rows, `x @ (q * s).T` beyond (the per-row "
+    "loop for 2 rows was left out: one more path for one batch size).",
     "",
 ]
 

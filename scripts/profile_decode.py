@@ -19,6 +19,11 @@ Markdown tables that ``results/profile_decode.md`` quotes):
         [--impl old]
     .venv/bin/python scripts/profile_decode.py bandwidth
     .venv/bin/python scripts/profile_decode.py compare [--reps 9]
+
+``--dtype int8`` does the same for the int8-weight model (``jaxkv.model.weights_int8``):
+"old" is then the int8 path before "After int8 weights" (``_old_int8_*``: qwix QArrays in
+the float layout) and "new" the library; ``compare --decode 1:1024,8:1024 --prefill ''``
+picks the rows.
 """
 
 from __future__ import annotations
@@ -26,22 +31,26 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import math
 import re
 import shutil
 import statistics
 import tempfile
 import threading
 import time
+import types
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import qwix
 
 import jaxkv
 from jaxkv import kvcache
 from jaxkv import stats as attn_stats
-from jaxkv.model import decoder, layers
+from jaxkv.model import decoder, layers, weights_int8
+from jaxkv.model.params import PARAM_AXES
 
 # --- the implementation before issue 17 (decode attention and statistics) -------------------
 
@@ -137,17 +146,119 @@ def _old_prefill_ops():
         layers.scores, layers.masked_softmax = saved
 
 
-def decode_fn(impl, config):
-    step = _old_decode_step if impl == "old" else decoder.decode_step
-    return jax.jit(lambda p, t, c: step(p, t, c, config=config), donate_argnums=2)
+def _ops(impl, params):
+    """The trace-time context of ``impl``: old int8 matmuls for old int8 params."""
+    is_old_int8 = impl == "old" and any(
+        isinstance(x, qwix.QArray) for x in jax.tree.leaves(params, is_leaf=_is_qarray)
+    )
+    return _old_int8_ops() if is_old_int8 else contextlib.nullcontext()
 
 
-def prefill_fn(impl, config):
+def _is_qarray(x):
+    return isinstance(x, qwix.QArray)
+
+
+def decode_fn(impl, config, params=None):
+    """``impl`` "old": for float params the decode step before issue 17's part 1, for int8
+    params the library's decode step with the int8 matmuls before "After int8 weights"."""
+    if impl == "old" and not _is_int8(params):
+        step = _old_decode_step
+    else:
+        step = decoder.decode_step
+
     def run(p, t, c):
-        with _old_prefill_ops() if impl == "old" else contextlib.nullcontext():
+        with _ops(impl, p):
+            return step(p, t, c, config=config)
+
+    return jax.jit(run, donate_argnums=2)
+
+
+def prefill_fn(impl, config, params=None):
+    def run(p, t, c):
+        old_float = impl == "old" and not _is_int8(params)
+        with _old_prefill_ops() if old_float else _ops(impl, p):
             return decoder.prefill(p, t, c, config=config)[0]
 
     return jax.jit(run)
+
+
+def _is_int8(params) -> bool:
+    leaves = jax.tree.leaves(
+        params, is_leaf=lambda x: _is_qarray(x) or weights_int8.is_quantized(x)
+    )
+    return any(_is_qarray(x) or weights_int8.is_quantized(x) for x in leaves)
+
+
+# --- int8 weights before "After int8 weights" (qwix QArrays in the float layout) ----------
+
+
+def _old_int8_params(params):
+    """The int8 params of the float ``params`` as before: ``qwix.QArray`` leaves in the float
+    weights' layout, scales per output channel (the same int8 values and scales as now)."""
+
+    def q(w, name):
+        axes = PARAM_AXES["layers"].get(name) or PARAM_AXES[name]
+        keep = tuple(i for i, a in enumerate(axes) if a not in weights_int8.CONTRACTED[name])
+        return qwix.quantize(w, jnp.int8, channelwise_axes=keep)
+
+    def tree(d):
+        return {k: q(v, k) if k in weights_int8.CONTRACTED else v for k, v in d.items()}
+
+    return jax.jit(lambda p: {**tree(p), "layers": tree(p["layers"])})(params)
+
+
+def _old_int8_einsum(subscripts, x, w, **kwargs):
+    if not isinstance(w, qwix.QArray):
+        return jnp.einsum(subscripts, x, w, **kwargs)
+    ins, out = subscripts.split("->")
+    x_sub, w_sub = ins.split(",")
+    n = sum(c not in out for c in w_sub)
+    batch = x_sub[: len(x_sub) - n]
+    if x_sub[len(batch) :] != w_sub[:n] or out != batch + w_sub[n:] or "." in subscripts:
+        return qwix.einsum(subscripts, x, w, **kwargs)
+    w_IO = jax.tree.map(lambda a: a.reshape(math.prod(a.shape[:n]), -1), w)
+    y_TO = qwix.einsum("ti,io->to", x.reshape(-1, w_IO.shape[0]), w_IO, **kwargs)
+    return y_TO.reshape(*x.shape[: len(batch)], *w.shape[n:])
+
+
+def _old_int8_head_logits(h_XD, w, *, vocab_first):
+    V = w.shape[0 if vocab_first else 1]
+    n = weights_int8._n_chunks(V)
+    if not isinstance(w, qwix.QArray) or n == 1:
+        head_DV = w.T if vocab_first else w
+        return _old_int8_einsum("...d,dv->...v", h_XD, head_DV, preferred_element_type=jnp.float32)
+    sub = "...d,vd->...v" if vocab_first else "...d,dv->...v"
+    axis = 0 if vocab_first else 1
+
+    def split(a):
+        a = a.reshape(*a.shape[:axis], n, a.shape[axis] // n, *a.shape[axis + 1 :])
+        return jnp.moveaxis(a, axis, 0)
+
+    out_nXv = jax.lax.map(
+        lambda c: qwix.einsum(sub, h_XD, c, preferred_element_type=jnp.float32),
+        jax.tree.map(split, w),
+    )
+    return jnp.moveaxis(out_nXv, 0, -2).reshape(*h_XD.shape[:-1], V)
+
+
+def _old_int8_take_rows(w, idx):
+    return qwix.dequantize(w[idx]) if isinstance(w, qwix.QArray) else w[idx]
+
+
+_OLD_INT8 = types.SimpleNamespace(
+    einsum=_old_int8_einsum, head_logits=_old_int8_head_logits, take_rows=_old_int8_take_rows
+)
+
+
+@contextlib.contextmanager
+def _old_int8_ops():
+    """Traces the decoder with the int8 matmuls as before (on ``_old_int8_params``)."""
+    saved = decoder.weights_lib, layers.weights_lib
+    decoder.weights_lib = layers.weights_lib = _OLD_INT8
+    try:
+        yield
+    finally:
+        decoder.weights_lib, layers.weights_lib = saved
 
 
 # --- measurements ----------------------------------------------------------------------------
@@ -167,11 +278,25 @@ def filled_cache(config, batch, ctx, stats=False, extra=64):
     )
 
 
+class Int8Model:
+    """The int8 SmolLM2 as the library quantizes it ("new") and as before ("old"), both from
+    one float model (the same int8 values and scales, in different layouts)."""
+
+    def __init__(self, model):
+        self.config, self.tokenizer = model.config, model.tokenizer
+        self.params = weights_int8.quantize_params(model.params)
+        self.old_params = _old_int8_params(model.params)
+
+    def params_of(self, impl):
+        return self.old_params if impl == "old" else self.params
+
+
 class Decoder:
     """A jitted decode step that owns its (donated) cache."""
 
     def __init__(self, model, impl, batch, ctx, stats=False):
-        self.params, self.step = model.params, decode_fn(impl, model.config)
+        self.params = model.params_of(impl) if hasattr(model, "params_of") else model.params
+        self.step = decode_fn(impl, model.config, self.params)
         self.cache = filled_cache(model.config, batch, ctx, stats)
         self.token = jnp.zeros((batch,), jnp.int32)
 
@@ -187,13 +312,15 @@ class Prefiller:
     """A jitted prefill of random tokens into a fresh cache."""
 
     def __init__(self, model, impl, batch, n):
-        self.model, self.fn, self.batch, self.n = model, prefill_fn(impl, model.config), batch, n
+        self.params = model.params_of(impl) if hasattr(model, "params_of") else model.params
+        self.model, self.batch, self.n = model, batch, n
+        self.fn = prefill_fn(impl, model.config, self.params)
         rng = np.random.default_rng(0)
         self.tokens = jnp.asarray(rng.integers(0, model.config.vocab_size, (batch, n)))
 
     def __call__(self):
         cache = kvcache.init_cache(self.model.config, batch_size=self.batch, capacity=self.n)
-        self.fn(self.model.params, self.tokens, cache).block_until_ready()
+        self.fn(self.params, self.tokens, cache).block_until_ready()
 
 
 def in_turns(fns: dict, reps: int) -> dict:
@@ -250,7 +377,9 @@ def category(name, op, *, capacity, head_dim, vocab):
     if kind == "copy" and not name.startswith(("copy_", "copy.")):
         kind = "moves"
     moves = kind in ("moves", "transposes", "copy")
-    if vocab in dims:
+    int8 = "s8[" in inside  # reads int8 weights
+    n_chunks = weights_int8._n_chunks(vocab)  # the int8 head before: chunks of the vocabulary
+    if vocab in dims or (n_chunks > 1 and vocab // n_chunks in dims):
         return "logits (tied embedding)"
     if "scatter" in kind or "scatter" in source:
         return "cache write (scatter of the new token)"
@@ -270,6 +399,10 @@ def category(name, op, *, capacity, head_dim, vocab):
         return "softmax, masks, statistics"
     if moves:
         return "copy of a layer's weights out of the stacked weights"
+    if int8 and kind == "dot":
+        return "weight matmuls, fused with the int8 read and dequantization"
+    if int8:
+        return "dequantization of a layer's int8 weights into a float32 copy"
     if kind == "dot":
         return "weight matmuls"
     return "other (norms, RoPE, residuals, loop)"
@@ -335,11 +468,15 @@ def bandwidth(reps=7):
     return {k: a.nbytes / statistics.median(v) / 1e9 for k, v in times.items()}
 
 
-def compare(model, reps=9, decode_rows=((1, 1024), (1, 4096), (8, 1024), (8, 4096))):
+DECODE_ROWS = ((1, 1024), (1, 4096), (8, 1024), (8, 4096))
+PREFILL_ROWS = ((1, 512), (1, 2048))
+
+
+def compare(model, reps=9, decode_rows=DECODE_ROWS, prefill_rows=PREFILL_ROWS):
     """Old vs new in turns: rows (kind, batch, tokens, unit, old median, new median, old best,
     new best, paired speed-up); prefill in tokens/s, decode in ms/token."""
     out = []
-    for batch, n in ((1, 512), (1, 2048)):
+    for batch, n in prefill_rows:
         fns = {impl: Prefiller(model, impl, batch, n) for impl in ("old", "new")}
         for f in fns.values():
             f()
@@ -398,6 +535,10 @@ def profile_table(untraced_ms, step_ms, rows, top=15):
     return "\n".join(lines)
 
 
+def _rows(text):
+    return tuple(tuple(int(v) for v in r.split(":")) for r in text.split(",") if r)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("what", choices=["all", "profile", "bandwidth", "compare"])
@@ -405,14 +546,25 @@ def main():
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--stats", action="store_true", help="the cache carries every statistic")
     ap.add_argument("--impl", choices=["old", "new"], default="new")
+    ap.add_argument(
+        "--dtype", choices=["float32", "int8"], default="float32", help="the model's weights"
+    )
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument(
+        "--decode", type=_rows, default=DECODE_ROWS, help="``compare``: B:CTX,... ('' for none)"
+    )
+    ap.add_argument(
+        "--prefill", type=_rows, default=PREFILL_ROWS, help="``compare``: B:N,... ('' for none)"
+    )
     ap.add_argument("--out", type=Path, help="``all``: also write the Markdown report here")
     args = ap.parse_args()
     if args.what == "bandwidth":
         print(bandwidth())
         return
     model = jaxkv.load("smollm2-135m")
+    if args.dtype == "int8":
+        model = Int8Model(model)
     if args.what == "profile":
         print(
             profile_table(
@@ -420,7 +572,7 @@ def main():
             )
         )
     elif args.what == "compare":
-        for r in compare(model, args.reps):
+        for r in compare(model, args.reps, args.decode, args.prefill):
             print(r)
     else:
         write_report(model, args)

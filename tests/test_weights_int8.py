@@ -51,19 +51,29 @@ def test_quantize_matches_the_numpy_reference_and_rounds_to_half_a_step(name, w,
     contracted = tuple(i for i, a in enumerate(axes) if a in weights_int8.CONTRACTED[name])
     want_q, want_scale = np_quantize(w, contracted)
     assert q.qvalue.dtype == jnp.int8 and q.scale.dtype == jnp.float32
-    assert q.scale.shape == want_scale.shape  # one scale per output channel and layer
+    assert q.shape == w.shape
+    # stored [..., O, I]: output channels first, the contracted axes last and flattened
+    n_in = np.prod([w.shape[i] for i in contracted])
+    assert q.qvalue.shape == (
+        *q.qvalue.shape[:-2],
+        w.size // n_in // np.prod(q.qvalue.shape[:-2]),
+        n_in,
+    )
+    assert q.scale.shape == (*q.qvalue.shape[:-1], 1)
+    scale = q.to_float_layout(q.scale, scales=True)
+    assert scale.shape == want_scale.shape  # one scale per output channel and layer
     # Exact but at rounding ties (|w| = absmax is one: w / scale = +-127.5), where the float
     # division may land on either side of the half.
     x = np.asarray(w) / want_scale
     tie = np.abs(np.abs(x - np.floor(x)) - 0.5) < 1e-4
-    diff = np.abs(np.asarray(q.qvalue, np.int32) - want_q)
+    diff = np.abs(np.asarray(q.to_float_layout(q.qvalue), np.int32) - want_q)
     np.testing.assert_array_equal(np.where(tie, 0, diff), 0)
     assert np.all(diff <= 1)
-    np.testing.assert_array_max_ulp(np.asarray(q.scale), want_scale, maxulp=1)
+    np.testing.assert_array_max_ulp(np.asarray(scale), want_scale, maxulp=1)
     err = np.abs(np.asarray(weights_int8.dense(q)) - np.asarray(w))
     # half a step, plus float rounding: of the scale (times |q| <= 128) and of q * scale,
     # each within an ulp of the weight
-    assert np.all(err <= np.asarray(q.scale) / 2 + 2 * np.spacing(np.abs(np.asarray(w))))
+    assert np.all(err <= np.asarray(scale) / 2 + 2 * np.spacing(np.abs(np.asarray(w))))
 
 
 def test_norms_stay_float_and_float_trees_pass_through():
@@ -81,7 +91,12 @@ def test_int8_bytes_are_about_a_quarter_of_float32():
 def test_separate_head_is_quantized_per_vocabulary_entry():
     cfg = CFG.replace(tie_embeddings=False)
     q = weights_int8.quantize_params(init_params(cfg, key=jax.random.key(2)))
-    assert q["lm_head"].scale.shape == (1, cfg.vocab_size)
+    assert q["lm_head"].shape == (cfg.d_model, cfg.vocab_size)
+    assert q["lm_head"].scale.shape == (cfg.vocab_size, 1)  # stored [V, D] like the embedding
+    assert q["lm_head"].to_float_layout(q["lm_head"].scale, scales=True).shape == (
+        1,
+        cfg.vocab_size,
+    )
 
 
 def test_int8_forward_equals_float_forward_on_the_dequantized_weights():
@@ -90,10 +105,32 @@ def test_int8_forward_equals_float_forward_on_the_dequantized_weights():
     np.testing.assert_allclose(got, want, **TOL)
 
 
-def test_int8_prefill_and_decode_equal_float_on_the_dequantized_weights():
-    got, _ = teacher_forced(QPARAMS, TOKENS, prompt_len=PROMPT, config=CFG)
-    want, _ = teacher_forced(DEQ, TOKENS, prompt_len=PROMPT, config=CFG)
+@pytest.mark.parametrize("batch", [1, 2])  # decode: one fused row, or a few rows
+def test_int8_prefill_and_decode_equal_float_on_the_dequantized_weights(batch):
+    tokens = TOKENS[:batch]
+    got, _ = teacher_forced(QPARAMS, tokens, prompt_len=PROMPT, config=CFG)
+    want, _ = teacher_forced(DEQ, tokens, prompt_len=PROMPT, config=CFG)
     np.testing.assert_allclose(got, want, **TOL)
+
+
+@pytest.mark.parametrize("rows", [1, 5, weights_int8.FEW_ROWS + 6])
+@pytest.mark.parametrize("w_name", ["wq", "wo", "w_down"])
+def test_each_matmul_form_equals_a_float64_reference(rows, w_name):
+    """The three forms of ``_matmul_t`` (one row fused, a few rows with the scales after the
+    dot, many rows) against x @ (q * scale).T in float64, within the float32 rounding bound
+    of a sum of I products: I * eps * sum_i |x_i w_i| (the product and scale roundings add
+    2 eps, covered since I >= 64 here)."""
+    w = jax.tree.map(lambda a: a[1], QPARAMS["layers"][w_name])  # layer 1
+    x = jax.random.normal(jax.random.key(6), (rows, w.qvalue.shape[-1]))
+    got = jax.jit(weights_int8._matmul_t)(x, w.qvalue, w.scale)
+    q, scale = np.asarray(w.qvalue, np.float64), np.asarray(w.scale, np.float64)
+    x64 = np.asarray(x, np.float64)
+    want = x64 @ (q * scale).T
+    n_in = w.qvalue.shape[-1]
+    assert n_in >= 64
+    bound = np.abs(x64) @ np.abs(q * scale).T * n_in * np.finfo(np.float32).eps
+    assert got.shape == want.shape
+    assert np.all(np.abs(np.asarray(got, np.float64) - want) <= bound + 1e-30)
 
 
 @pytest.mark.parametrize(
@@ -123,11 +160,16 @@ def test_einsum_equals_jnp_einsum_on_the_dequantized_weight(subscripts, x_shape,
     np.testing.assert_allclose(got, jnp.einsum(subscripts, x, weights_int8.dense(w)), **TOL)
 
 
-def test_chunked_head_equals_the_whole_head(monkeypatch):
+@pytest.mark.parametrize("fused_rows", [8, 0], ids=["fused", "chunked"])
+def test_head_equals_the_dequantized_head(monkeypatch, fused_rows):
+    """Tied ([V, D]) and separate ([D, V]) int8 heads, fused (decode) or in chunks, against
+    the float head on the dequantized weights."""
     monkeypatch.setattr(weights_int8, "HEAD_CHUNK", CFG.vocab_size // 4)
+    monkeypatch.setattr(weights_int8, "HEAD_FUSED_ROWS", fused_rows)
     assert weights_int8._n_chunks(CFG.vocab_size) == 4
     h = jax.random.normal(jax.random.key(4), (2, 3, CFG.d_model))
-    for vocab_first, w in ((True, QPARAMS["embed"]), (False, QPARAMS["embed"].T)):
+    head = weights_int8.quantize(PARAMS["embed"].T, "lm_head")
+    for vocab_first, w in ((True, QPARAMS["embed"]), (False, head)):
         got = weights_int8.head_logits(h, w, vocab_first=vocab_first)
         want = h @ weights_int8.dense(QPARAMS["embed"]).T
         np.testing.assert_allclose(got, want, **TOL)
@@ -160,9 +202,12 @@ def test_quantize_params_traces_on_mistral_7b_shapes():
     abstract = jax.eval_shape(lambda k: init_params(cfg, key=k), jax.random.key(0))
     q = jax.eval_shape(weights_int8.quantize_params, abstract)
     wq = q["layers"]["wq"]
-    assert wq.qvalue.shape == (32, 4096, 32, 128) and wq.scale.shape == (32, 1, 32, 128)
-    assert q["layers"]["wo"].scale.shape == (32, 1, 1, 4096)
-    assert q["lm_head"].scale.shape == (1, 32768)
+    assert wq.shape == (32, 4096, 32, 128)
+    assert wq.qvalue.shape == (32, 4096, 4096) and wq.scale.shape == (32, 4096, 1)
+    assert q["layers"]["wk"].qvalue.shape == (32, 1024, 4096)
+    assert q["layers"]["wo"].qvalue.shape == (32, 4096, 4096)
+    assert q["layers"]["w_down"].qvalue.shape == (32, 4096, 14336)
+    assert q["lm_head"].qvalue.shape == (32768, 4096) and q["lm_head"].scale.shape == (32768, 1)
     assert weights_int8.nbytes(q) / weights_int8.nbytes(abstract) < 0.2505
 
 

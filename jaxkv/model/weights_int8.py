@@ -1,22 +1,33 @@
-"""Weight-only int8: every matmul weight as int8 with one scale per output channel (qwix).
+"""Weight-only int8: every matmul weight as int8 with one scale per output channel.
 
 ``quantize_params`` turns the float params tree (``jaxkv.model.params``) into one whose matmul
-weights are ``qwix.QArray`` leaves: int8 values and a scale (the weight's float dtype) per
-output channel and layer, symmetric absmax (qwix's int8 bound: scale = absmax / 127.5,
-values rounded half to even and saturated to [-128, 127], so |w - q * scale| <= scale / 2).
-Norms stay float. The contraction axes get no scale of their own, so a scale factors out of
-the dot product.
+weights are ``Int8Weight`` leaves: int8 values and a scale (the weight's float dtype) per
+output channel and layer, symmetric absmax as qwix computes it (``qwix.quantize``: scale =
+absmax / 127.5, values rounded half to even and saturated to [-128, 127], so
+|w - q * scale| <= scale / 2). Norms stay float. The contraction axes get no scale of their
+own, so a scale factors out of the dot product.
+
+An ``Int8Weight`` stores each layer's values as one ``[O, I]`` matrix, output channels first
+and the contracted (input) axes last and contiguous, whatever the float weight's axis order
+(``[D, N, H]`` for ``wq`` becomes ``[N*H, D]``); the layers stay stacked on the leading
+axis. The reason is speed: a decode step's ``x @ (q * scale).T`` with that layout is one fused
+XLA:CPU loop that reads the int8 slice of the stacked weights in place, converts, scales and
+accumulates in registers. With the float layout ``[I, O]`` XLA wrote each layer's dequantized
+weight as a fresh float32 array (4 bytes per weight written, then read by the dot) every
+step: 32-58 % of an int8 decode step at batch 1 (results/profile_decode.md, "After int8
+weights"). With a few rows (batch > 1) or many (prefill) XLA does not fuse; ``_matmul_t``
+picks the form that measured fastest for each.
+``dense`` gives the float weight back in its own layout, so code that reads a weight as a
+float array (``jaxkv.policies`` binding W_o) sees no difference.
 
 The decoder reads every weight through ``einsum``, ``head_logits`` and ``take_rows`` here,
 the one place that knows about quantized weights: a float weight goes to ``jnp.einsum`` as
-before, a quantized one to ``qwix.einsum``. Activations stay float (weight-only), for which
-qwix dequantizes the weight (``q.astype(f) * scale``) and runs a float dot; under jit XLA
-fuses that dequantization with the read of the layer's slice out of the stacked weights, so
-each step reads 1 byte per weight instead of 4 (results/weights_int8.md has the measured
-speed).
+before, an int8 one to ``_matmul_t`` (``[T, I] @ [O, I].T``). Activations stay float:
+an int8 x int8 dot (activations quantized per token, as llama.cpp's Q8_0) lost, since
+XLA:CPU converts both operands to int32 first (results/weights_int8.md).
 
 The tied embedding is quantized per vocabulary row: one scale serves both the lookup (a
-row) and the output head (a column of ``embed.T``).
+row) and the output head.
 """
 
 from __future__ import annotations
@@ -26,6 +37,7 @@ import math
 import jax
 import jax.numpy as jnp
 import qwix
+from flax import struct
 
 from jaxkv.model.params import PARAM_AXES
 
@@ -42,18 +54,89 @@ CONTRACTED = {
     "w_up": ("embed",),
     "w_down": ("mlp",),
 }
+LEADING = ("layers",)  # axes kept in front, each entry its own matrix
 
-QArray = qwix.QArray
+
+@struct.dataclass
+class Int8Weight:
+    """An int8 weight: ``qvalue`` [..., O, I] int8 and ``scale`` [..., O, 1], where ``...``
+    are the leading (layer) axes, O the output channels and I the contracted axes, each
+    flattened. The float weight it stands for has shape ``(..., *in_shape, *out_shape)``
+    (``in_first``) or ``(..., *out_shape, *in_shape)``."""
+
+    qvalue: jax.Array
+    scale: jax.Array
+    in_shape: tuple[int, ...] = struct.field(pytree_node=False)
+    out_shape: tuple[int, ...] = struct.field(pytree_node=False)
+    in_first: bool = struct.field(pytree_node=False)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The float weight's shape."""
+        lead = self.qvalue.shape[:-2]
+        inner = (
+            (self.in_shape, self.out_shape) if self.in_first else (self.out_shape, self.in_shape)
+        )
+        return (*lead, *inner[0], *inner[1])
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def dtype(self):
+        """The float dtype the weight stands for (its scales')."""
+        return self.scale.dtype
+
+    def matrix(self) -> jax.Array:
+        """The dequantized ``[..., O, I]`` matrices (``q * scale``)."""
+        return self.qvalue.astype(self.scale.dtype) * self.scale
+
+    def to_float_layout(self, a_XOI: jax.Array, *, scales: bool = False) -> jax.Array:
+        """``a`` [..., O, I] (``scales``: [..., O, 1], size 1 on every contracted axis) in
+        the float weight's axis order."""
+        lead, n_lead = a_XOI.shape[:-2], a_XOI.ndim - 2
+        ins = (1,) * len(self.in_shape) if scales else self.in_shape
+        a = a_XOI.reshape(*lead, *self.out_shape, *ins)
+        if not self.in_first:
+            return a
+        n_out = len(self.out_shape)
+        perm = list(range(n_lead))
+        perm += list(range(n_lead + n_out, a.ndim)) + list(range(n_lead, n_lead + n_out))
+        return a.transpose(perm)
 
 
-def quantize(w: jax.Array, name: str) -> QArray:
-    """The int8 ``QArray`` of the params leaf ``name`` (e.g. ``"wq"``), scales per output
+def quantize(w: jax.Array, name: str) -> Int8Weight:
+    """The ``Int8Weight`` of the params leaf ``name`` (e.g. ``"wq"``), scales per output
     channel (and layer) in ``w``'s dtype."""
     axes = PARAM_AXES["layers"].get(name) or PARAM_AXES[name]
     if len(axes) != w.ndim:
         raise ValueError(f"{name}: shape {w.shape} does not match axes {axes}")
-    channelwise = tuple(i for i, a in enumerate(axes) if a not in CONTRACTED[name])
-    return qwix.quantize(w, jnp.int8, channelwise_axes=channelwise)
+    kinds = ["lead" if a in LEADING else "in" if a in CONTRACTED[name] else "out" for a in axes]
+    n_lead = kinds.count("lead")
+    inner = kinds[n_lead:]
+    in_first = inner[0] == "in"
+    if kinds[:n_lead] != ["lead"] * n_lead or inner != sorted(inner, reverse=not in_first):
+        raise ValueError(f"{name}: axes {axes} are not (layers, inputs, outputs) or similar")
+    channelwise = tuple(i for i, k in enumerate(kinds) if k != "in")
+    q = qwix.quantize(w, jnp.int8, channelwise_axes=channelwise)
+    dims = w.shape[n_lead:]
+    in_shape = tuple(d for d, k in zip(dims, inner, strict=True) if k == "in")
+    out_shape = tuple(d for d, k in zip(dims, inner, strict=True) if k == "out")
+    n_in = len(in_shape)
+
+    def to_XOI(a, ins):
+        if in_first:  # [..., I..., O...] -> [..., O..., I...]
+            a = jnp.moveaxis(a, tuple(range(n_lead, n_lead + n_in)), tuple(range(-n_in, 0)))
+        return a.reshape(*w.shape[:n_lead], math.prod(out_shape), ins)
+
+    return Int8Weight(
+        qvalue=to_XOI(q.qvalue, math.prod(in_shape)),
+        scale=to_XOI(q.scale, 1),
+        in_shape=in_shape,
+        out_shape=out_shape,
+        in_first=in_first,
+    )
 
 
 @jax.jit
@@ -72,60 +155,101 @@ def dequantize_params(params: dict) -> dict:
 
 
 def is_quantized(x) -> bool:
-    return isinstance(x, QArray)
+    return isinstance(x, Int8Weight)
 
 
 def dense(w) -> jax.Array:
-    """``w`` as a float array: dequantized if it is int8, else itself."""
-    return qwix.dequantize(w) if is_quantized(w) else w
+    """``w`` as a float array in its own layout: dequantized if it is int8, else itself."""
+    return w.to_float_layout(w.matrix()) if is_quantized(w) else w
 
 
 def einsum(subscripts: str, x: jax.Array, w, **kwargs) -> jax.Array:
     """``jnp.einsum(subscripts, x, w)`` for a float or a quantized weight ``w``.
 
-    A quantized weight whose contracted axes lead (``"btd,dnh->btnh"``, ``"btnh,nhd->btd"``)
-    goes to qwix as a 2-D matmul ``[T, I] @ [I, O]`` (free reshapes): with the head axes
-    kept, qwix's dot makes XLA:CPU write the dequantized weight in a transposed layout,
-    which made the q and o projections 3-6x slower (results/weights_int8.md).
+    For a quantized weight whose contracted axes end ``x``'s subscripts, in the weight's
+    order (every projection of the decoder: ``"btd,dnh->btnh"``, ``"btnh,nhd->btd"``), the
+    product is ``[T, I] @ [O, I].T`` on free reshapes, which XLA:CPU fuses with the
+    dequantization (module docstring); any other einsum runs on ``dense(w)``.
     """
     if not is_quantized(w):
         return jnp.einsum(subscripts, x, w, **kwargs)
     ins, out = subscripts.split("->")
     x_sub, w_sub = ins.split(",")
-    n = sum(c not in out for c in w_sub)  # contracted axes
-    batch = x_sub[: len(x_sub) - n]
-    if x_sub[len(batch) :] != w_sub[:n] or out != batch + w_sub[n:] or "." in subscripts:
-        return qwix.einsum(subscripts, x, w, **kwargs)
-    w_IO = jax.tree.map(lambda a: a.reshape(math.prod(a.shape[:n]), -1), w)
-    x_TI = x.reshape(-1, w_IO.shape[0])
-    y_TO = qwix.einsum("ti,io->to", x_TI, w_IO, **kwargs)
-    return y_TO.reshape(*x.shape[: len(batch)], *w.shape[n:])
+    n_lead, n_in = w.qvalue.ndim - 2, len(w.in_shape)
+    w_in = w_sub[n_lead:][:n_in] if w.in_first else w_sub[len(w_sub) - n_in :]
+    w_out = w_sub[n_lead:][n_in:] if w.in_first else w_sub[n_lead:][: len(w.out_shape)]
+    batch = x_sub[: len(x_sub) - n_in]
+    if n_lead or "." in subscripts or x_sub[len(batch) :] != w_in or out != batch + w_out:
+        return jnp.einsum(subscripts, x, dense(w), **kwargs)
+    x_TI = x.reshape(-1, w.qvalue.shape[-1])
+    y_TO = _matmul_t(x_TI, w.qvalue, w.scale, **kwargs)
+    return y_TO.reshape(*x.shape[: len(batch)], *w.out_shape)
+
+
+def _materialized(x: jax.Array) -> jax.Array:
+    """``x``, computed into a buffer of its own before the dot that reads it.
+
+    XLA:CPU otherwise fuses cheap producers of the vector (the attention output's adds and
+    broadcasts, for ``wo``) into the fused dot loop, which recomputes them for every output
+    channel: 8-16 ms of a 24-36 ms step (results/profile_decode.md). A conditional is a
+    fusion boundary; both branches are the identity (``optimization_barrier`` only keeps JAX
+    from forwarding ``x`` around the conditional, XLA:CPU drops it before fusion), so the
+    predicate does not matter. CPU only: elsewhere a conditional may wait for its predicate
+    on the host, and the fusion above is XLA:CPU's.
+    """
+    same = jax.lax.optimization_barrier
+    return jax.lax.cond(jnp.isnan(x.reshape(-1)[0]), same, same, x)
 
 
 def head_logits(h_XD: jax.Array, w, *, vocab_first: bool) -> jax.Array:
     """Float32 logits ``[..., V]`` of hidden states ``[..., D]`` through the output head ``w``:
     ``[V, D]`` (a tied embedding, ``vocab_first``) or ``[D, V]``.
 
-    A quantized head is dequantized and applied ``HEAD_CHUNK`` vocabulary entries at a time
-    (a ``lax.map``): XLA:CPU does not fuse the int8 -> float conversion into the dot, and
-    dequantizing the whole head at once writes a fresh 113 MB float array (SmolLM2) every
-    call, about 10x the dot's own time (results/weights_int8.md).
+    A quantized head (stored ``[V, D]`` either way) is one fused dequantize-and-dot for
+    decode; for more than ``HEAD_FUSED_ROWS`` rows it is applied ``HEAD_CHUNK`` vocabulary
+    entries at a time (a ``lax.map``), since XLA then dequantizes before the dot, and the
+    whole head at once would be a fresh 113 MB float array (SmolLM2) per call.
     """
-    V = w.shape[0 if vocab_first else 1]
-    n = _n_chunks(V)
-    if not is_quantized(w) or n == 1:
+    if not is_quantized(w):
         head_DV = w.T if vocab_first else w
-        return einsum("...d,dv->...v", h_XD, head_DV, preferred_element_type=jnp.float32)
-    sub = "...d,vd->...v" if vocab_first else "...d,dv->...v"
-    axis = 0 if vocab_first else 1
-    chunks = jax.tree.map(lambda a: jnp.moveaxis(_split(a, axis, n), axis, 0), w)
-    out_nXv = jax.lax.map(
-        lambda c: qwix.einsum(sub, h_XD, c, preferred_element_type=jnp.float32), chunks
-    )
-    return jnp.moveaxis(out_nXv, 0, -2).reshape(*h_XD.shape[:-1], V)
+        return jnp.einsum("...d,dv->...v", h_XD, head_DV, preferred_element_type=jnp.float32)
+    V = w.qvalue.shape[0]
+    n = _n_chunks(V)
+    h_RD = h_XD.reshape(-1, h_XD.shape[-1])
+    if h_RD.shape[0] <= HEAD_FUSED_ROWS or n == 1:
+        logits_RV = _matmul_t(h_RD, w.qvalue, w.scale, preferred_element_type=jnp.float32)
+        return logits_RV.reshape(*h_XD.shape[:-1], V)
+    chunks = (w.qvalue.reshape(n, V // n, -1), w.scale.reshape(n, V // n, 1))
+    f32 = dict(preferred_element_type=jnp.float32)
+    out_nRv = jax.lax.map(lambda c: _matmul_t(h_RD, *c, **f32), chunks)
+    return jnp.moveaxis(out_nRv, 0, 1).reshape(*h_XD.shape[:-1], V)
 
 
+def _matmul_t(x_TI, q_OI, scale_O1, **kwargs):
+    """``x @ (q * scale).T``, in the form XLA:CPU runs fastest for T rows.
+
+    One row (decode at batch 1): ``x @ (q * scale).T`` becomes one fused loop that reads the
+    int8 values in place (module docstring). Only this spelling fuses: ``einsum("ti,oi->to")``
+    does not (the explicit transpose is a free layout change that XLA folds into the dot).
+    A few rows: XLA cannot fuse, and ``(q @ x.T) * scale`` (the converted int8 values on the
+    left, scales after the dot) was 0.9-1.1x the float-layout dot at 4-8 rows where
+    ``x @ (q * scale).T`` was 0.55-0.77x (results/weights_int8.md). Many rows
+    (prefill): ``x @ (q * scale).T``, even with the float layout.
+    """
+    T = x_TI.shape[0]
+    if T == 1 and jax.default_backend() == "cpu":
+        x_TI = _materialized(x_TI)
+    if T == 1 or T > FEW_ROWS:
+        w_OI = q_OI.astype(scale_O1.dtype) * scale_O1
+        return jnp.matmul(x_TI, w_OI.T, **kwargs)
+    dims = (((1,), (1,)), ((), ()))
+    y_OT = jax.lax.dot_general(q_OI.astype(scale_O1.dtype), x_TI, dims, **kwargs)
+    return (y_OT * scale_O1).T
+
+
+FEW_ROWS = 64  # up to this many rows, ``_matmul_t``'s few-row form
 HEAD_CHUNK = 4096
+HEAD_FUSED_ROWS = 1  # up to this many rows, the int8 head is one fused loop
 
 
 def _n_chunks(V: int) -> int:
@@ -137,14 +261,13 @@ def _n_chunks(V: int) -> int:
     return 1
 
 
-def _split(a: jax.Array, axis: int, n: int) -> jax.Array:
-    """``a`` with ``axis`` split into ``(n, size // n)``."""
-    return a.reshape(*a.shape[:axis], n, a.shape[axis] // n, *a.shape[axis + 1 :])
-
-
 def take_rows(w, idx) -> jax.Array:
     """``w[idx]`` (an embedding lookup), dequantized when ``w`` is int8."""
-    return dense(w[idx])
+    if not is_quantized(w):
+        return w[idx]
+    if w.in_first or w.qvalue.ndim != 2:
+        raise ValueError(f"take_rows needs a [rows, D] weight, got {w.shape}")
+    return w.qvalue[idx].astype(w.scale.dtype) * w.scale[idx]
 
 
 def nbytes(params) -> int:
