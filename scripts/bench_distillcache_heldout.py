@@ -10,7 +10,12 @@ oracle (future attention under the full cache) is the upper bound, never a compe
 
 Usage:
     python scripts/bench_distillcache_heldout.py --ranker jaxkv/checkpoints/ranker_smollm2_cpu
-Writes results/distillcache_heldout.{md,json} (and each fidelity run under --work).
+    python scripts/bench_distillcache_heldout.py \
+        --ranker jaxkv/checkpoints/ranker_global_smollm2_cpu --kvzip \
+        --granularities head,adaptive,global --ranker-granularities global,head \
+        --work runs/distillcache_heldout_pooled --out results/distillcache_heldout_pooled
+Writes results/distillcache_heldout.{md,json} (and each fidelity run under --work). The best
+heuristic of a cell is the best over every granularity run.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from jaxkv.evals.runner import load_eval_model
 from jaxkv.rl.data import HELDOUT_DOMAIN, write_domain_text
 
 HEURISTICS = (
+    "kvzip",  # prefill protocol only (--kvzip)
     "streaming_llm",
     "h2o",
     "snapkv",
@@ -97,6 +103,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranker", required=True, help="ranker checkpoint folder")
     ap.add_argument("--granularities", default="head", help="comma list for the heuristics")
+    ap.add_argument(
+        "--ranker-granularities",
+        default="head",
+        help="comma list for the ranker (adaptive, global: a ranker trained with --pool > 1)",
+    )
+    ap.add_argument(
+        "--kvzip", action="store_true", help="also kvzip, a heuristic of the prefill protocol"
+    )
     ap.add_argument("--protocols", default="prefill,decode")
     ap.add_argument("--limit", type=int, default=4)
     ap.add_argument("--window", type=int, default=384)
@@ -111,15 +125,18 @@ def main() -> int:
     text = write_domain_text(HELDOUT_DOMAIN, work / "heldout.txt", tokenizer=model.tokenizer)
     protocols = args.protocols.split(",")
     rows = []
+    granularities = args.granularities.split(",")
+    heuristics = [p for p in HEURISTICS if p != "kvzip"]
+    kvzip = [("prefill", g, ["kvzip"]) for g in granularities if args.kvzip]
     cells = [
-        (protocol, granularity, policies)
-        for policies, granularities in [
-            ([*HEURISTICS, "oracle"], args.granularities.split(",")),
-            ([SHARED_LEARNED], ["shared"]),
-            ([f"ranker:{args.ranker}"], ["head"]),  # last: the ranker may still be training
-        ]
-        for protocol in protocols
-        for granularity in granularities
+        *[(p, g, [*heuristics, "oracle"]) for p in protocols for g in granularities],
+        *[c for c in kvzip if c[0] in protocols],  # KVzip scores the prompt once: prefill only
+        *[(p, "shared", [SHARED_LEARNED]) for p in protocols],
+        *[  # last: the ranker may still be training
+            (p, g, [f"ranker:{args.ranker}"])
+            for p in protocols
+            for g in args.ranker_granularities.split(",")
+        ],
     ]
     for protocol, granularity, policies in cells:
         name = "ranker" if policies[0].startswith("ranker:") else policies[0]

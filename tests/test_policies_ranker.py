@@ -18,7 +18,9 @@ from jaxkv.model.params import init_params
 from jaxkv.policies import critical as critical_lib
 from jaxkv.policies import get_policy, with_model
 from jaxkv.policies import ranker as ranker_lib
+from jaxkv.policies.learned import checkpoint_path
 from jaxkv.rl import ranker
+from jaxkv.rl.data import HELDOUT_DOMAIN
 
 CFG = ModelConfig.tiny()
 PARAMS = init_params(CFG, key=jax.random.key(0), scale=0.2)
@@ -74,6 +76,25 @@ def test_listnet_is_minimal_at_the_log_target():
         assert float(ranker.listnet(jnp.log(t) + rng.normal(size=t.shape), t)) > h
 
 
+def test_pooled_listnet_ranks_across_rows():
+    """pool > 1: one softmax over a group's rows, minimal only at log target plus one constant
+    for the whole group; per-row shifts, which the per-row loss ignores, now cost."""
+    rng = np.random.default_rng(2)
+    t = rng.random((6, 8)) ** 3
+    g = t.reshape(2, 24) / t.reshape(2, 24).sum(-1, keepdims=True)
+    h = -np.mean(np.sum(g * np.log(g), -1))
+    assert ranker.pooled(t, 3).shape == (2, 24)
+    np.testing.assert_array_equal(ranker.pooled(t, 3)[1, 8:16], t[4])
+    assert float(ranker.listnet(ranker.pooled(jnp.log(t) + 3.0, 3), ranker.pooled(t, 3))) == (
+        pytest.approx(h, rel=1e-5)
+    )
+    shifted = jnp.log(t) + jnp.arange(6.0)[:, None]  # a constant per row
+    assert float(ranker.listnet(ranker.pooled(shifted, 3), ranker.pooled(t, 3))) > h + 0.1
+    assert float(ranker.listnet(shifted, t)) == pytest.approx(float(ranker.listnet(jnp.log(t), t)))
+    with pytest.raises(ValueError, match="pool"):
+        ranker.RankerConfig(rows_per_step=256, pool=90)
+
+
 def test_kept_mass_against_brute_force():
     rng = np.random.default_rng(1)
     scores, target = rng.random((6, 16)), rng.random((6, 16))
@@ -90,10 +111,17 @@ def test_trained_ranker_end_to_end(tmp_path, capsys):
     out = tmp_path / "rk"
     argv = ["ranker", "--model", "tiny", "--windows-per-domain", "2", "--steps", "3"]
     every = ",".join(ranker_lib.FEATURES)  # log_wo_vnorm too: the policy reads W_o
+    pooled = ["--pool", "2", "--rows-per-step", "16"]
     assert (
-        train_cli.main([*argv, "--features", every, "--target", "critical", "--out", str(out)]) == 0
+        train_cli.main(
+            [*argv, *pooled, "--features", every, "--target", "critical", "--out", str(out)]
+        )
+        == 0
     )
     params, meta = ranker_lib.load_ranker_params(out)
+    assert meta["config"]["pool"] == 2
+    rows = [r for domain in meta["validation"].values() for r in domain.values()]
+    assert any(0 < r.get("kept_pooled_0.25", -1) <= 1 for r in rows)
     assert meta["trained_on"] == ["prose", "math", "code", "chat"]
     assert meta["features"] == list(ranker_lib.FEATURES)
     assert set(meta["validation"]) == {"prose", "math", "code", "chat"}
@@ -220,3 +248,14 @@ def test_a_ranker_on_some_features_trains_saves_and_scores(tmp_path):
     feats = ranker_lib.head_features(cache, names=tuple(meta["features"]))
     want = ranker_lib.scores_from_features(params, feats, cache.valid)
     np.testing.assert_array_equal(np.asarray(s), np.asarray(want))
+
+
+@pytest.mark.parametrize(
+    "name,pool", [("ranker_smollm2_cpu", 1), ("ranker_global_smollm2_cpu", 90)]
+)
+def test_shipped_rankers_load_and_never_read_the_held_out_domain(name, pool):
+    policy = get_policy(f"ranker:{name}")
+    _, meta = ranker_lib.load_ranker_params(checkpoint_path(name))
+    assert HELDOUT_DOMAIN not in meta["trained_on"] and HELDOUT_DOMAIN not in meta["validation"]
+    assert meta["config"].get("pool", 1) == pool  # global pools raw scores: only pool > 1 ranks
+    assert policy.spec[0] == ("path", name)

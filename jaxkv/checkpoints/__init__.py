@@ -9,4 +9,9 @@ with ``configs/distillcache_cpu.yaml`` (see its ``config.yaml``, ``metrics.jsonl
 the embedded model with ``python -m jaxkv.train ranker --windows-per-domain 12 --steps 1500
 --target value`` (prose, math, code and chat; BIG-Bench Hard held out). Its ``ranker.json``
 records the settings and the validation scores.
+
+``ranker_global_smollm2_cpu/``: the same recipe with the ListNet pooled over 90 rows
+(``--pool 90 --rows-per-step 270``), so its scores compare across rows: the ranker for the
+``global`` granularity, chosen by a rule fixed in advance on the training domains' validation
+windows (README, "DistillCache out of sample").
 """

@@ -105,6 +105,15 @@ def ranker_parser() -> argparse.ArgumentParser:
         "FEATURES; default: all but log_wo_vnorm, which reads the model's W_o)",
     )
     ap.add_argument(
+        "--pool",
+        type=flags.positive_int,
+        default=d.pool,
+        help="rows per ListNet list: > 1 makes scores comparable across rows, for the pooled "
+        "granularities (adaptive, global); L*K is one sequence's pool (must divide "
+        "--rows-per-step)",
+    )
+    ap.add_argument("--rows-per-step", type=flags.positive_int, default=d.rows_per_step)
+    ap.add_argument(
         "--pruned-ratios",
         default="",
         help="comma list of r: also learn from caches H2O pruned to r (the decode protocol's)",
@@ -132,6 +141,8 @@ def ranker_main(argv: list[str]) -> int:
             pruned_ratios=tuple(parse_ratios(args.pruned_ratios)) if args.pruned_ratios else (),
             fit_pruned=not args.no_fit_pruned,
             features=tuple(x.strip() for x in args.features.split(",") if x.strip()),
+            pool=args.pool,
+            rows_per_step=args.rows_per_step,
         )
         out = check_out_dir(args.out) if args.out else new_run_dir("ranker")
         model = load_eval_model(args.model)

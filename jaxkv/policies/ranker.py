@@ -9,10 +9,11 @@ network is shared by all rows; the layer enters as a feature (its depth in [0, 1
 checkpoint does not depend on the model's shape.
 
 Scores are per row, so every granularity works: ``head`` keeps each row's top B, ``layer`` and
-``shared`` average a row's scores over the heads (and layers) they share. Training (ListNet)
-fixes scores only up to a constant per row, which changes neither a row's ranking nor the
-ranking of an average over rows; ``adaptive`` (AdaKV), which pools raw scores across the heads
-of a layer, gets no such guarantee.
+``shared`` average a row's scores over the heads (and layers) they share. Training with a
+per-row ListNet fixes scores only up to a constant per row, which changes neither a row's
+ranking nor the ranking of an average over rows; the pooled granularities (``adaptive``,
+``global``), which compare raw scores across rows, need a ranker trained with ``pool`` > 1
+(its ``config.pool`` in the meta), whose scores share one constant across rows.
 
 A ranker checkpoint is a ``jaxkv.checkpoint`` directory whose meta file is ``ranker.json``.
 """

@@ -25,7 +25,12 @@ over the KV group's query heads: CriticalKV's own bound, the ``log_wo_vnorm`` fe
 
 Loss. ListNet per (point, window, layer, KV head) row: the cross-entropy between the row's
 target distribution (future attention normalized over the row) and the softmax of its scores,
-so the scores are log-odds of future attention.
+so the scores are log-odds of future attention, each row's up to a constant of its own. With
+``pool`` > 1 the ListNet runs over groups of ``pool`` rows taken together (rows of one point,
+drawn across windows, layers and heads): the softmax spans every slot of the group, so the
+scores are log future attention up to one constant shared by all rows, and a pooled
+granularity (``adaptive``, ``global``), which compares raw scores across rows, ranks by what
+the oracle ranks by. ``pool`` = L·K mimics ``global``'s pool of one sequence.
 
 Windows are split once per domain: the first ``1 - val_fraction`` of each domain's text trains,
 the rest validates (reported as loss and as the share of the oracle's kept mass that the
@@ -84,8 +89,11 @@ class RankerConfig:
     sinks: int = 0
     target: str = "attention"  # or "value" / "critical": times ||v|| / ||W_o v||_1
     features: tuple[str, ...] = ranker_lib.DEFAULT_FEATURES  # the columns the ranker reads
+    pool: int = 1  # rows per ListNet softmax (module docstring)
 
     def __post_init__(self):
+        if self.pool < 1 or self.rows_per_step % self.pool:
+            raise ValueError(f"pool must be >= 1 and divide rows_per_step: {self}")
         if not all(0 < p and p + self.horizon <= self.window for p in self.points):
             raise ValueError(f"every point + horizon must fit in the window: {self}")
         if any((p - self.points[0]) % self.chunk for p in self.points) or (
@@ -238,11 +246,17 @@ def listnet(scores: jax.Array, target: jax.Array) -> jax.Array:
     return -jnp.mean(jnp.sum(t * jax.nn.log_softmax(scores, axis=-1), axis=-1))
 
 
-def listnet_loss(params, feats, target):
-    """``listnet`` of the ranker's scores of feature rows [R, C, F]."""
+def listnet_loss(params, feats, target, *, pool: int = 1):
+    """``listnet`` of the ranker's scores of feature rows [R, C, F], over groups of ``pool``
+    consecutive rows taken as one list (R divisible by ``pool``)."""
     valid = jnp.ones(feats.shape[:-1], bool)
     scores = ranker_lib.scores_from_features(params, feats.astype(jnp.float32), valid)
-    return listnet(scores, target)
+    return listnet(pooled(scores, pool), pooled(target, pool))
+
+
+def pooled(rows: jax.Array | np.ndarray, pool: int):
+    """Rows [R, C] as [R / pool, pool * C]: each group of ``pool`` consecutive rows one row."""
+    return rows.reshape(rows.shape[0] // pool, pool * rows.shape[1])
 
 
 def kept_mass(scores: np.ndarray, target: np.ndarray, ratio: float) -> float:
@@ -274,7 +288,7 @@ def fit(sets: list[RowSet], cfg: RankerConfig, *, log=None) -> dict:
     @jax.jit
     def step(params, opt_state, feats, target):
         def loss_fn(mlp):
-            return listnet_loss({**params, "mlp": mlp}, feats, target)
+            return listnet_loss({**params, "mlp": mlp}, feats, target, pool=cfg.pool)
 
         loss, grads = jax.value_and_grad(loss_fn)(params["mlp"])
         updates, opt_state = opt.update(grads, opt_state)
@@ -294,11 +308,14 @@ def fit(sets: list[RowSet], cfg: RankerConfig, *, log=None) -> dict:
     return params
 
 
-def evaluate_rows(params, sets: list[RowSet], cols: np.ndarray) -> dict:
+def evaluate_rows(params, sets: list[RowSet], cols: np.ndarray, *, pool: int = 1) -> dict:
     """Validation loss and kept future mass, by the ranker reading feature columns ``cols``
     and by accumulated attention (H2O's score): of the training target, and of the
     ``critical`` one (every ranker's common yardstick), at r = 0.25 and 0.125 on full-cache
-    rows and r = 0.5 on pruned ones (the decode protocol drops few of a pruned cache)."""
+    rows and r = 0.5 on pruned ones (the decode protocol drops few of a pruned cache). With
+    ``pool`` > 1 also ``kept_pooled_*``: the same over groups of ``pool`` consecutive rows
+    (fewer when a set has fewer rows) taken as one list (what a pooled granularity keeps; the
+    remainder rows are left out)."""
     out = {}
     cum = ranker_lib.FEATURES.index("log_attn_cum")
     for s in sets:
@@ -308,11 +325,17 @@ def evaluate_rows(params, sets: list[RowSet], cols: np.ndarray) -> dict:
         h2o = s.feats[..., cum].astype(np.float32)
         critical = weighted(s.future, s.feats, "critical")
         row = {"loss": float(listnet_loss(params, feats, jnp.asarray(s.target)))}
+        group = min(pool, len(scores))
+        n = len(scores) // group * group if group else 0
         for r in (0.25, 0.125) if s.pruned is None else (0.5,):
             row[f"kept_{r}"] = kept_mass(scores, s.target, r)
             row[f"kept_attn_cum_{r}"] = kept_mass(h2o, s.target, r)
             row[f"kept_critical_{r}"] = kept_mass(scores, critical, r)
             row[f"kept_critical_attn_cum_{r}"] = kept_mass(h2o, critical, r)
+            if pool > 1 and n:
+                target = pooled(s.target[:n], group)
+                row[f"kept_pooled_{r}"] = kept_mass(pooled(scores[:n], group), target, r)
+                row[f"kept_pooled_attn_cum_{r}"] = kept_mass(pooled(h2o[:n], group), target, r)
         out[s.name] = row
     return out
 
@@ -343,7 +366,7 @@ def fit_and_save(data: dict, cfg: RankerConfig, out: Path, *, seconds: float = 0
     train_sets = [[s for s in sets if cfg.fit_pruned or s.pruned is None] for sets in data["train"]]
     params = fit(_merge(train_sets), cfg)
     val = {
-        domain: evaluate_rows(params, sets, cfg.columns)
+        domain: evaluate_rows(params, sets, cfg.columns, pool=cfg.pool)
         for domain, sets in zip(cfg.domains, data["val"], strict=True)
     }
     meta = {
