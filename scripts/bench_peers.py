@@ -177,8 +177,8 @@ class LlamaClient:
 class JaxEngine:
     """jaxkv's decoder: jitted prefill and decode step (the cache donated)."""
 
-    def __init__(self, model, *, label):
-        self.model, self.label = model, label
+    def __init__(self, model, *, label, kv_dtype=None):
+        self.model, self.label, self.kv_dtype = model, label, kv_dtype
 
     def prefill(self, tokens_BT) -> float:
         import jax
@@ -208,17 +208,26 @@ class JaxEngine:
         from jaxkv.model import decoder
 
         cfg = self.model.config
-        cache = kvcache.init_cache(cfg, batch_size=batch, capacity=ctx + room)
+        cache = kvcache.init_cache(cfg, batch_size=batch, capacity=ctx + room, dtype=self.kv_dtype)
         key = jax.random.key(0)
         shape = cache.k[:, :, :, :ctx].shape
+
+        def random(k, dtype):
+            if dtype == jnp.int8:
+                return jax.random.randint(k, shape, -127, 128, jnp.int32).astype(dtype)
+            return jax.random.normal(k, shape, dtype)
+
         self.cache = cache.replace(
-            k=cache.k.at[:, :, :, :ctx].set(jax.random.normal(key, shape, cache.k.dtype)),
-            v=cache.v.at[:, :, :, :ctx].set(
-                jax.random.normal(jax.random.fold_in(key, 1), shape, cache.v.dtype)
-            ),
+            k=cache.k.at[:, :, :, :ctx].set(random(key, cache.k.dtype)),
+            v=cache.v.at[:, :, :, :ctx].set(random(jax.random.fold_in(key, 1), cache.v.dtype)),
             pos=cache.pos.at[:, :, :, :ctx].set(jnp.arange(ctx)),
             length=jnp.full((batch,), ctx, jnp.int32),
         )
+        if cache.k_scale is not None:  # int8: per-slot scales of random values' size
+            self.cache = self.cache.replace(
+                k_scale=jnp.full_like(cache.k_scale, 0.02),
+                v_scale=jnp.full_like(cache.v_scale, 0.02),
+            )
         self._step = jax.jit(
             lambda p, t, c: decoder.decode_step(p, t, c, config=cfg), donate_argnums=2
         )
@@ -349,7 +358,10 @@ def make_engines(args, client):
     model = jaxkv.load("smollm2-135m")
     engines["jaxkv f32"] = JaxEngine(model, label="f32")
     try:
-        engines["jaxkv int8"] = JaxEngine(jaxkv.load("smollm2-135m", dtype="int8"), label="int8")
+        int8 = jaxkv.load("smollm2-135m", dtype="int8")
+        engines["jaxkv int8"] = JaxEngine(int8, label="int8")
+        if args.int8_cache:
+            engines["jaxkv int8 + int8 KV"] = JaxEngine(int8, label="int8-kv8", kv_dtype="int8")
     except ValueError as e:
         facts["jaxkv_int8"] = f"not available: {e}"
     src = embedded_model_path()
@@ -440,6 +452,7 @@ PAIRS = [  # (ours, peer): ours' speed relative to the peer's, >1 = ours faster
     ("jaxkv f32", "torch f32"),
     ("jaxkv f32", "llama.cpp F32"),
     ("jaxkv int8", "llama.cpp Q8_0"),
+    ("jaxkv int8 + int8 KV", "llama.cpp Q8_0"),
     ("jaxkv f32", "llama.cpp Q8_0"),
 ]
 
@@ -468,9 +481,7 @@ def markdown(report) -> str:
         "llama.cpp runs batch 1 only. Speed-up = the peer's time / ours (> 1: ours faster).",
         "",
         "| phase | batch | tokens / context | unit | "
-        + " | ".join(cols)
-        + " | "
-        + " | ".join(f"speed-up {p}" for p in pairs)
+        + " | ".join([*cols, *(f"speed-up {p}" for p in pairs)])
         + " |",
         "|" + "---|" * (4 + len(cols) + len(pairs)),
     ]
@@ -496,6 +507,11 @@ def main():
     ap.add_argument("--quick", action="store_true", help="tiny contexts, 1 rep: a smoke run")
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--no-llama", action="store_true")
+    ap.add_argument(
+        "--int8-cache",
+        action="store_true",
+        help="also jaxkv int8 weights with the int8 KV cache (llama.cpp's cache is f16)",
+    )
     ap.add_argument("--llama-types", default=",".join(LLAMA_TYPES))
     ap.add_argument(
         "--llama-flash-attn",
