@@ -28,9 +28,10 @@ target distribution (future attention normalized over the row) and the softmax o
 so the scores are log-odds of future attention, each row's up to a constant of its own. With
 ``pool`` > 1 the ListNet runs over groups of ``pool`` rows taken together (rows of one point,
 drawn across windows, layers and heads): the softmax spans every slot of the group, so the
-scores are log future attention up to one constant shared by all rows, and a pooled
-granularity (``adaptive``, ``global``), which compares raw scores across rows, ranks by what
-the oracle ranks by. ``pool`` = L·K mimics ``global``'s pool of one sequence.
+scores are the log target up to one constant shared by all rows, and a pooled granularity
+(``adaptive``, ``global``), which compares raw scores across rows, ranks by the target across
+rows as the oracle ranks by future attention. ``pool`` = L·K mimics ``global``'s pool of one
+sequence.
 
 Windows are split once per domain: the first ``1 - val_fraction`` of each domain's text trains,
 the rest validates (reported as loss and as the share of the oracle's kept mass that the
