@@ -45,6 +45,7 @@ import numpy as np
 from tqdm import tqdm
 
 from jaxkv.cli.flags import parse_seeds
+from jaxkv.evals.report import write_atomic
 from jaxkv.evals.runner import load_eval_model
 from jaxkv.policies import ranker as ranker_lib
 from jaxkv.rl import ranker
@@ -85,16 +86,7 @@ def retarget(sets: list[ranker.RowSet], target: str) -> list[ranker.RowSet]:
 
 def merge(per_domain: list[list[ranker.RowSet]]) -> list[ranker.RowSet]:
     """One RowSet per point, the domains' rows concatenated (full-cache rows only)."""
-    return [
-        dataclasses.replace(
-            sets[0],
-            feats=np.concatenate([s.feats for s in sets]),
-            target=np.concatenate([s.target for s in sets]),
-            future=np.concatenate([s.future for s in sets]),
-        )
-        for sets in zip(*per_domain, strict=True)
-        if sets[0].pruned is None
-    ]
+    return [s for s in ranker.merge_domains(per_domain) if s.pruned is None]
 
 
 def scores(params, s: ranker.RowSet, cols: np.ndarray) -> np.ndarray:
@@ -201,12 +193,6 @@ def _stats(values: list[float], seeds: list[int]) -> dict:
         "std": float(v.std(ddof=1)) if len(v) > 1 else 0.0,
         "per_seed": dict(zip(map(str, seeds), map(float, v), strict=True)),
     }
-
-
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def cell(stats: dict, *, digits: int = 4, seeds: bool = True) -> str:

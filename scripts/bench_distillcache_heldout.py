@@ -27,10 +27,10 @@ from pathlib import Path
 
 from jaxkv.cli import eval as eval_cli
 from jaxkv.evals.runner import load_eval_model
+from jaxkv.policies import get_policy
 from jaxkv.rl.data import HELDOUT_DOMAIN, write_domain_text
 
-HEURISTICS = (
-    "kvzip",  # prefill protocol only (--kvzip)
+EVERYWHERE = (  # heuristics run in every cell
     "streaming_llm",
     "h2o",
     "snapkv",
@@ -39,6 +39,8 @@ HEURISTICS = (
     "expected_attention",
     "critical:h2o",
 )
+OPTIONAL = ("kvzip",)  # heuristics run on request (--kvzip): one more forward pass
+HEURISTICS = (*OPTIONAL, *EVERYWHERE)
 SHARED_LEARNED = "learned:distillcache_smollm2_cpu"  # one decision for all heads: shared only
 RATIOS = (0.25, 0.125)
 
@@ -126,11 +128,16 @@ def main() -> int:
     protocols = args.protocols.split(",")
     rows = []
     granularities = args.granularities.split(",")
-    heuristics = [p for p in HEURISTICS if p != "kvzip"]
-    kvzip = [("prefill", g, ["kvzip"]) for g in granularities if args.kvzip]
+    optional = [x for x in OPTIONAL if getattr(args, x)]
     cells = [
-        *[(p, g, [*heuristics, "oracle"]) for p in protocols for g in granularities],
-        *[c for c in kvzip if c[0] in protocols],  # KVzip scores the prompt once: prefill only
+        *[(p, g, [*EVERYWHERE, "oracle"]) for p in protocols for g in granularities],
+        *[  # in the protocols it supports (kvzip scores the prompt once: prefill only)
+            (p, g, [x])
+            for x in optional
+            for p in protocols
+            if p in get_policy(x).protocols
+            for g in granularities
+        ],
         *[(p, "shared", [SHARED_LEARNED]) for p in protocols],
         *[  # last: the ranker may still be training
             (p, g, [f"ranker:{args.ranker}"])

@@ -203,31 +203,14 @@ class JaxEngine:
     def fill(self, batch: int, ctx: int, room: int) -> None:
         import jax
         import jax.numpy as jnp
+        from bench_eviction import filled_cache  # this folder: random keys, values (int8 too)
 
-        from jaxkv import kvcache
         from jaxkv.model import decoder
 
         cfg = self.model.config
-        cache = kvcache.init_cache(cfg, batch_size=batch, capacity=ctx + room, dtype=self.kv_dtype)
-        key = jax.random.key(0)
-        shape = cache.k[:, :, :, :ctx].shape
-
-        def random(k, dtype):
-            if dtype == jnp.int8:
-                return jax.random.randint(k, shape, -127, 128, jnp.int32).astype(dtype)
-            return jax.random.normal(k, shape, dtype)
-
-        self.cache = cache.replace(
-            k=cache.k.at[:, :, :, :ctx].set(random(key, cache.k.dtype)),
-            v=cache.v.at[:, :, :, :ctx].set(random(jax.random.fold_in(key, 1), cache.v.dtype)),
-            pos=cache.pos.at[:, :, :, :ctx].set(jnp.arange(ctx)),
-            length=jnp.full((batch,), ctx, jnp.int32),
+        self.cache = filled_cache(
+            cfg, batch=batch, capacity=ctx + room, n_valid=ctx, stats=False, dtype=self.kv_dtype
         )
-        if cache.k_scale is not None:  # int8: per-slot scales of random values' size
-            self.cache = self.cache.replace(
-                k_scale=jnp.full_like(cache.k_scale, 0.02),
-                v_scale=jnp.full_like(cache.v_scale, 0.02),
-            )
         self._step = jax.jit(
             lambda p, t, c: decoder.decode_step(p, t, c, config=cfg), donate_argnums=2
         )

@@ -328,15 +328,15 @@ def evaluate_rows(params, sets: list[RowSet], cols: np.ndarray, *, pool: int = 1
         row = {"loss": float(listnet_loss(params, feats, jnp.asarray(s.target)))}
         group = min(pool, len(scores))
         n = len(scores) // group * group if group else 0
+        lists = [pooled(x[:n], group) for x in (scores, h2o, s.target)] if pool > 1 and n else None
         for r in (0.25, 0.125) if s.pruned is None else (0.5,):
             row[f"kept_{r}"] = kept_mass(scores, s.target, r)
             row[f"kept_attn_cum_{r}"] = kept_mass(h2o, s.target, r)
             row[f"kept_critical_{r}"] = kept_mass(scores, critical, r)
             row[f"kept_critical_attn_cum_{r}"] = kept_mass(h2o, critical, r)
-            if pool > 1 and n:
-                target = pooled(s.target[:n], group)
-                row[f"kept_pooled_{r}"] = kept_mass(pooled(scores[:n], group), target, r)
-                row[f"kept_pooled_attn_cum_{r}"] = kept_mass(pooled(h2o[:n], group), target, r)
+            if lists:
+                row[f"kept_pooled_{r}"] = kept_mass(lists[0], lists[2], r)
+                row[f"kept_pooled_attn_cum_{r}"] = kept_mass(lists[1], lists[2], r)
         out[s.name] = row
     return out
 
@@ -365,7 +365,7 @@ def fit_and_save(data: dict, cfg: RankerConfig, out: Path, *, seconds: float = 0
     ``data["val"]`` and saves it at ``out`` (the validation in its meta)."""
     t0 = time.time()
     train_sets = [[s for s in sets if cfg.fit_pruned or s.pruned is None] for sets in data["train"]]
-    params = fit(_merge(train_sets), cfg)
+    params = fit(merge_domains(train_sets), cfg)
     val = {
         domain: evaluate_rows(params, sets, cfg.columns, pool=cfg.pool)
         for domain, sets in zip(cfg.domains, data["val"], strict=True)
@@ -381,7 +381,8 @@ def fit_and_save(data: dict, cfg: RankerConfig, out: Path, *, seconds: float = 0
     return ranker_lib.save_ranker(Path(out), params, meta, features=cfg.features)
 
 
-def _merge(per_domain: list[list[RowSet]]) -> list[RowSet]:
+def merge_domains(per_domain: list[list[RowSet]]) -> list[RowSet]:
+    """One RowSet per (point, pruned ratio): every domain's rows of it concatenated."""
     return [
         RowSet(
             sets[0].point,
