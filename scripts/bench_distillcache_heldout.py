@@ -65,8 +65,12 @@ def run_cell(text: Path, *, protocol: str, granularity: str, policies: list[str]
     return json.loads(done.read_text())["results"]
 
 
-def label(policy: str, ranker: str) -> str:
-    return "ranker" if policy == f"ranker:{ranker}" else policy
+def label(policy: str, rankers: list[str]) -> str:
+    """A row's policy name: "ranker" for the one ranker benchmarked, or with several each
+    by its folder's name."""
+    if len(rankers) == 1 and policy == f"ranker:{rankers[0]}":
+        return "ranker"
+    return f"ranker:{Path(policy[7:]).name}" if policy.startswith("ranker:") else policy
 
 
 def render(rows: list[dict], meta: dict) -> str:
@@ -103,7 +107,13 @@ def render(rows: list[dict], meta: dict) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ranker", required=True, help="ranker checkpoint folder")
+    ap.add_argument(
+        "--ranker",
+        required=True,
+        action="append",
+        help="ranker checkpoint folder (repeat for several; each runs in the protocols it "
+        "supports)",
+    )
     ap.add_argument("--granularities", default="head", help="comma list for the heuristics")
     ap.add_argument(
         "--ranker-granularities",
@@ -139,14 +149,16 @@ def main() -> int:
             for g in granularities
         ],
         *[(p, "shared", [SHARED_LEARNED]) for p in protocols],
-        *[  # last: the ranker may still be training
-            (p, g, [f"ranker:{args.ranker}"])
+        *[  # last: a ranker may still be training
+            (p, g, [f"ranker:{r}"])
+            for r in args.ranker
             for p in protocols
+            if p in get_policy(f"ranker:{r}").protocols
             for g in args.ranker_granularities.split(",")
         ],
     ]
     for protocol, granularity, policies in cells:
-        name = "ranker" if policies[0].startswith("ranker:") else policies[0]
+        name = label(policies[0], args.ranker)
         out = work / f"{protocol}-{granularity}-{name.replace(':', '_')}"
         results = run_cell(
             text, protocol=protocol, granularity=granularity, policies=policies, args=args, out=out
@@ -164,7 +176,7 @@ def main() -> int:
         ]
     meta = {
         "domain": HELDOUT_DOMAIN,
-        "ranker": args.ranker,
+        "ranker": ", ".join(args.ranker),
         "limit": args.limit,
         "window": args.window,
         "prompt_len": args.prompt_len,

@@ -12,6 +12,8 @@ from jaxkv import eviction, kvcache
 from jaxkv.cli import eval as eval_cli
 from jaxkv.cli import train as train_cli
 from jaxkv.config import ModelConfig
+from jaxkv.evals import fidelity
+from jaxkv.evals.runner import ByteTokenizer
 from jaxkv.generate import full_cache_attention
 from jaxkv.model import decoder
 from jaxkv.model.params import init_params
@@ -28,6 +30,8 @@ TOKENS = np.asarray(jax.random.randint(jax.random.key(1), (2, 40), 0, CFG.vocab_
 SMALL = ranker.RankerConfig(
     window=40, points=(8, 16), chunk=8, horizon=16, row_fraction=1.0, batch=2
 )
+RECON = ranker_lib.DEFAULT_FEATURES + ranker_lib.RECON_FEATURES  # reads kvzip's scores too
+REPEAT = fidelity.repeat_ids(ByteTokenizer())  # kvzip's repeat request
 
 
 def test_targets_are_the_oracles_future_attention():
@@ -45,8 +49,9 @@ def test_features_by_hand():
     cache = kvcache.init_cache(CFG, batch_size=2, capacity=24, stats=ranker_lib.STATS)
     _, cache = decoder.prefill(PARAMS, jnp.asarray(TOKENS[:, :12]), cache, config=CFG)
     _, cache = decoder.extend(PARAMS, jnp.asarray(TOKENS[:, 12:16]), cache, config=CFG)
-    f = np.asarray(ranker_lib.head_features(cache, wo_LNHD=PARAMS["layers"]["wo"]))
-    col = {n: f[..., i] for i, n in enumerate(ranker_lib.FEATURES)}
+    names = tuple(n for n in ranker_lib.FEATURES if n not in ranker_lib.RECON_FEATURES)
+    f = np.asarray(ranker_lib.head_features(cache, names=names, wo_LNHD=PARAMS["layers"]["wo"]))
+    col = {n: f[..., i] for i, n in enumerate(names)}
     st = {n: np.asarray(x) for n, x in cache.stats.items()}
     L = CFG.n_layers
     # slot s holds position s; 16 tokens processed, so position s was seen by 16 - s queries
@@ -110,7 +115,8 @@ def test_kept_mass_against_brute_force():
 def test_trained_ranker_end_to_end(tmp_path, capsys):
     out = tmp_path / "rk"
     argv = ["ranker", "--model", "tiny", "--windows-per-domain", "2", "--steps", "3"]
-    every = ",".join(ranker_lib.FEATURES)  # log_wo_vnorm too: the policy reads W_o
+    every = [n for n in ranker_lib.FEATURES if n not in ranker_lib.RECON_FEATURES]
+    every = ",".join(every)  # log_wo_vnorm too: the policy reads W_o
     pooled = ["--pool", "2", "--rows-per-step", "16"]
     assert (
         train_cli.main(
@@ -123,12 +129,13 @@ def test_trained_ranker_end_to_end(tmp_path, capsys):
     rows = [r for domain in meta["validation"].values() for r in domain.values()]
     assert any(0 < r.get("kept_pooled_0.25", -1) <= 1 for r in rows)
     assert meta["trained_on"] == ["prose", "math", "code", "chat"]
-    assert meta["features"] == list(ranker_lib.FEATURES)
+    assert meta["features"] == every.split(",")
     assert set(meta["validation"]) == {"prose", "math", "code", "chat"}
     policy = with_model(get_policy(f"ranker:{out}"), PARAMS)
-    weights, wo = policy.init()
+    weights, wo, recon = policy.init()
     assert jax.tree.all(jax.tree.map(np.array_equal, weights, params))
     assert wo is PARAMS["layers"]["wo"]  # log_wo_vnorm reads W_o
+    assert recon is None and policy.window_input is None
     with pytest.raises(ValueError, match="with_model"):
         get_policy(f"ranker:{out}").init()
     for granularity in ("shared", "head", "adaptive"):
@@ -213,9 +220,12 @@ def test_wo_vnorm_feature_is_the_l1_norm_after_the_output_projection():
 def test_named_features_are_columns_of_all_features():
     cache = _prefilled()
     wo = PARAMS["layers"]["wo"]
-    every = np.asarray(ranker_lib.head_features(cache, wo_LNHD=wo))
-    names = ("depth", "log_attn", "log_wo_vnorm")
-    some = np.asarray(ranker_lib.head_features(cache, names=names, wo_LNHD=wo))
+    recon = fidelity.prompt_reconstruction(PARAMS, TOKENS[:, :16], REPEAT, config=CFG)
+    every = np.asarray(ranker_lib.head_features(cache, wo_LNHD=wo, reconstruction=recon))
+    names = ("depth", "log_attn", "log_wo_vnorm", "z_recon")
+    some = np.asarray(
+        ranker_lib.head_features(cache, names=names, wo_LNHD=wo, reconstruction=recon)
+    )
     idx = [ranker_lib.FEATURES.index(n) for n in names]
     np.testing.assert_array_equal(some, every[..., idx])
     with pytest.raises(ValueError, match="unknown ranker features"):
@@ -259,3 +269,60 @@ def test_shipped_rankers_load_and_never_read_the_held_out_domain(name, pool):
     assert HELDOUT_DOMAIN not in meta["trained_on"] and HELDOUT_DOMAIN not in meta["validation"]
     assert meta["config"].get("pool", 1) == pool  # global pools raw scores: only pool > 1 ranks
     assert policy.spec[0] == ("path", name)
+
+
+def test_reconstruction_features_are_kvzips_scores_at_each_slot():
+    """log_recon is log(kvzip's score of the slot's prompt position); z_recon that, standardized
+    over the row; both 0 on free slots, and an error without the reconstruction."""
+    cache = kvcache.init_cache(CFG, batch_size=2, capacity=24, stats=ranker_lib.STATS)
+    _, cache = decoder.prefill(PARAMS, jnp.asarray(TOKENS[:, :16]), cache, config=CFG)
+    recon = fidelity.prompt_reconstruction(PARAMS, TOKENS[:, :16], REPEAT, config=CFG)
+    names = ("log_recon", "z_recon")
+    f = np.asarray(ranker_lib.head_features(cache, names=names, reconstruction=recon))
+    want = np.log(np.asarray(recon.scores) + 1e-6)
+    np.testing.assert_allclose(f[..., :16, 0], want, rtol=1e-6)
+    np.testing.assert_allclose(f[..., :16, 1].mean(-1), 0, atol=1e-4)
+    np.testing.assert_allclose(f[..., :16, 1].std(-1), 1, atol=1e-3)
+    assert np.all(f[..., 16:, :] == 0)
+    with pytest.raises(ValueError, match="reconstruction"):
+        ranker_lib.head_features(cache, names=names)
+
+
+def test_collected_reconstruction_columns_score_each_points_prefix():
+    cfg = dataclasses.replace(SMALL, features=RECON)
+    sets = ranker.collect(PARAMS, CFG, TOKENS, cfg, rng=np.random.default_rng(0), repeat_R=REPEAT)
+    col = ranker_lib.FEATURES.index("log_recon")
+    for s in sets:
+        recon = fidelity.prompt_reconstruction(PARAMS, TOKENS[:, : s.point], REPEAT, config=CFG)
+        want = np.log(np.asarray(recon.scores) + 1e-6).reshape(-1, s.point)
+        np.testing.assert_allclose(s.feats[..., col], want, rtol=2e-3, atol=2e-3)  # float16
+    plain = ranker.collect(PARAMS, CFG, TOKENS, SMALL, rng=np.random.default_rng(0))
+    for a, b in zip(sets, plain, strict=True):  # the other columns do not depend on it
+        other = [i for i, n in enumerate(ranker_lib.FEATURES) if n not in ranker_lib.RECON_FEATURES]
+        np.testing.assert_array_equal(a.feats[..., other], b.feats[..., other])
+        np.testing.assert_array_equal(a.target, b.target)
+    with pytest.raises(ValueError, match="repeat"):
+        ranker.collect(PARAMS, CFG, TOKENS, cfg, rng=np.random.default_rng(0))
+    with pytest.raises(ValueError, match="prefill protocol"):
+        dataclasses.replace(cfg, pruned_ratios=(0.5,))
+
+
+def test_a_ranker_reading_kvzips_scores_runs_only_where_they_exist(tmp_path):
+    out = tmp_path / "rk"
+    argv = ["ranker", "--model", "tiny", "--windows-per-domain", "2", "--steps", "3",
+            "--points", "128", "--features", ",".join(RECON), "--out", str(out)]  # fmt: skip
+    assert train_cli.main(argv) == 0
+    policy = get_policy(f"ranker:{out}")
+    assert policy.window_input == "reconstruction" and policy.protocols == ("prefill",)
+    with pytest.raises(ValueError, match="only the fidelity evaluation"):
+        policy.init()
+    common = ["--model", "tiny", "--policies", f"full,ranker:{out}", "--limit", "1",
+              "--window", "96", "--prompt-len", "64", "--ratios", "0.5,1"]  # fmt: skip
+    prefill = [*common, "--protocol", "prefill", "--granularity", "global"]
+    assert eval_cli.main(["fidelity", *prefill, "--out", str(tmp_path / "ok")]) == 0
+    assert eval_cli.main(["fidelity", *common, "--out", str(tmp_path / "decode")]) == 2
+    assert eval_cli.main(["retrieval", *common[:4], "--out", str(tmp_path / "ret")]) == 2
+    gen = ["generate", "--model", "tiny", "--prompt", "hi", "--policy", f"ranker:{out}"]
+    assert eval_cli.main([*gen, "--protocol", "prefill"]) == 2
+    assert not (tmp_path / "decode").exists() and not (tmp_path / "ret").exists()
+    assert train_cli.main([*argv[:-1], str(tmp_path / "x"), "--points", "1,x"]) == 2

@@ -29,7 +29,7 @@ from jaxkv.cli import kvlearn as kvlearn_cli
 from jaxkv.evals import runner
 from jaxkv.evals.fidelity import KV_DTYPES
 from jaxkv.eviction import GRANULARITIES, PROTOCOLS, Compression
-from jaxkv.policies import policy_names
+from jaxkv.policies import needs_window, policy_names
 
 PROG = "python -m jaxkv.eval"
 COMPRESSION_FLAGS = ("ratio", "budget", "min_budget", "granularity", "evict_every", "protocol")
@@ -64,11 +64,6 @@ def generate_compression(args: argparse.Namespace) -> dict:
         return {}
     if args.ratio is not None and args.budget is not None:
         raise ValueError("give --ratio or --budget, not both")
-    if args.policy in ("oracle", "kvzip"):
-        raise ValueError(
-            f"--policy {args.policy} needs a full-cache pass over a fixed token stream; only "
-            f"'fidelity' computes it (python -m jaxkv.eval fidelity --policies {args.policy},...)"
-        )
     policy = args.policy
     if policy.startswith("learned:"):
         spec = policy.split(":", 1)[1]
@@ -81,7 +76,11 @@ def generate_compression(args: argparse.Namespace) -> dict:
         budget=args.budget,
     )
     compression.update({f: getattr(args, f) for f in SETTINGS if f in given})
-    Compression.make(**compression)  # validate before the slow model load
+    if needs_window(Compression.make(**compression).policy):  # validate before the model loads
+        raise ValueError(
+            f"--policy {args.policy} needs a full-cache pass over a fixed token stream; only "
+            f"'fidelity' computes it (python -m jaxkv.eval fidelity --policies {args.policy},...)"
+        )
     return compression
 
 

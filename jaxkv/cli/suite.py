@@ -185,8 +185,8 @@ def _job(args: argparse.Namespace, command: str) -> runner.Job:
 
 
 # Subcommands that can run the policies that need more than a cache: the oracle reads the
-# full-cache attention of a fixed token stream, kvzip a reconstruction of each window's prompt
-# (teacher forcing only); critical: reads the
+# full-cache attention of a fixed token stream, kvzip (and a ranker reading its scores) a
+# reconstruction of each window's prompt (teacher forcing only); critical: reads the
 # model's W_o (bound after the model loads: ``runner.bind_groups``).
 ORACLE_COMMANDS = ("fidelity",)
 CRITICAL_COMMANDS = ("fidelity", "retrieval", "agreement")

@@ -114,11 +114,28 @@ def ranker_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--rows-per-step", type=flags.positive_int, default=d.rows_per_step)
     ap.add_argument(
+        "--points",
+        default=",".join(map(str, d.points)),
+        help="comma list of the prefix lengths whose caches give training rows (each plus "
+        "the 128-token horizon must fit the 768-token window, on a 64-token grid)",
+    )
+    ap.add_argument(
         "--pruned-ratios",
         default="",
         help="comma list of r: also learn from caches H2O pruned to r (the decode protocol's)",
     )
     return ap
+
+
+def parse_points(text: str) -> tuple[int, ...]:
+    """``--points``: a comma list of positive integers."""
+    try:
+        points = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--points must be a comma list of integers, got {text!r}") from None
+    if not points or min(points) < 1:
+        raise ValueError(f"--points must be positive integers, got {text!r}")
+    return points
 
 
 def ranker_main(argv: list[str]) -> int:
@@ -143,6 +160,7 @@ def ranker_main(argv: list[str]) -> int:
             features=tuple(x.strip() for x in args.features.split(",") if x.strip()),
             pool=args.pool,
             rows_per_step=args.rows_per_step,
+            points=parse_points(args.points),
         )
         out = check_out_dir(args.out) if args.out else new_run_dir("ranker")
         model = load_eval_model(args.model)

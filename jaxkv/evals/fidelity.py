@@ -29,7 +29,9 @@ runs outside the switch of the others (its state is that attention, per batch).
 ``kvzip`` (``jaxkv.policies.kvzip``) is scored the same way from the prompt alone: a
 full-cache pass over ``prompt + repeat request + prompt`` gives, per prompt position, the most
 attention a reconstruction query pays it. It compresses once, so it needs
-``protocol="prefill"``, and it also runs outside the switch.
+``protocol="prefill"``, and it also runs outside the switch; so does a ranker that reads those
+scores as features (``jaxkv.policies.ranker.RECON_FEATURES``). Such policies say what they
+read in ``Policy.window_input``.
 
 With ``kv_dtype="int8"`` (``--kv-dtype int8``) every stream but the reference runs on an int8
 KV cache (``jaxkv.kvcache``): the reference stays the full cache in the model's dtype, the
@@ -127,7 +129,7 @@ def stream_logits(
 ) -> np.ndarray:
     """Teacher-forced logits [N, T - prompt_len, V] of every window, in fixed-size batches.
 
-    A policy that reads the window (the oracle, kvzip) gets its state from each batch
+    A policy that reads the window (``Policy.window_input``) gets its state from each batch
     (``window_state``; ``policy_state`` is then ignored)."""
     n, b = len(windows_NT), min(settings.batch_size, len(windows_NT))
     from_window = compression is not None and needs_window(compression.policy)
@@ -154,18 +156,33 @@ def stream_logits(
 
 
 def window_state(model: EvalModel, policy, windows_BT: np.ndarray, prompt_len: int):
-    """The state of a policy that reads the windows themselves: the oracle's future attention,
-    or kvzip's reconstruction scores of the prompts (module docstring)."""
-    if policy.name == oracle_lib.NAME:
+    """The state of a policy that reads the windows themselves (``Policy.window_input``): the
+    oracle's future attention, or kvzip's reconstruction scores of the prompts (module
+    docstring), passed to the policy's ``init`` (``policy`` bound to the model if it reads its
+    weights: ``jaxkv.policies.with_model``)."""
+    if policy.window_input == "future":
         attn = full_cache_attention(
             model.params, windows_BT, prompt_len=prompt_len, config=model.config
         )
-        return oracle_lib.future_attention(attn, first_query=prompt_len)
-    prompt = windows_BT[:, :prompt_len]
-    repeat = np.tile(repeat_ids(model.tokenizer), (len(prompt), 1))
-    tokens = np.concatenate([prompt, repeat, prompt, prompt[:, -1:]], axis=1)  # last: a query
-    attn = full_cache_attention(model.params, tokens, prompt_len=prompt_len, config=model.config)
-    return kvzip_lib.reconstruction(attn, prompt_len)
+        given = oracle_lib.future_attention(attn, first_query=prompt_len)
+    else:
+        prompts = windows_BT[:, :prompt_len]
+        given = prompt_reconstruction(
+            model.params, prompts, repeat_ids(model.tokenizer), config=model.config
+        )
+    return policy.init(**{policy.window_input: given})
+
+
+def prompt_reconstruction(
+    params: dict, prompts_BS: np.ndarray, repeat_R: np.ndarray, *, config
+) -> kvzip_lib.Reconstruction:
+    """kvzip's reconstruction scores of prompts [B, S]: one full-cache pass over
+    ``prompt + repeat request + prompt`` (``repeat_ids``)."""
+    S = prompts_BS.shape[1]
+    repeat = np.tile(repeat_R, (len(prompts_BS), 1))
+    tokens = np.concatenate([prompts_BS, repeat, prompts_BS, prompts_BS[:, -1:]], axis=1)
+    attn = full_cache_attention(params, tokens, prompt_len=S, config=config)  # last: a query
+    return kvzip_lib.reconstruction(attn, S)
 
 
 def repeat_ids(tokenizer) -> np.ndarray:
@@ -292,7 +309,7 @@ def _full_cell(model, windows_NT, ref, targets, settings: FidelitySettings, grou
 
 
 def _alone(policy, ratio: float, settings: FidelitySettings) -> Compression:
-    """The Compression of one policy run outside the switch (the oracle, kvzip)."""
+    """The Compression of one policy run outside the switch (one that reads the window)."""
     return Compression(
         policy=policy,
         ratio=ratio,

@@ -89,8 +89,9 @@ def with_model(policy: Policy, params: dict) -> Policy:
 
 def needs_window(policy: Policy) -> bool:
     """True for the policies whose state only the fidelity evaluation computes, from each
-    window it runs: the oracle reads the window's future, kvzip reconstructs its prompt."""
-    return policy.name in (oracle.NAME, kvzip.NAME)
+    window it runs (``Policy.window_input``): the oracle reads the window's future; kvzip, and
+    a ranker reading kvzip's scores, a reconstruction of its prompt."""
+    return policy.window_input is not None
 
 
 __all__ = [

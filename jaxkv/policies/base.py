@@ -15,6 +15,7 @@ from jaxkv.kvcache import stat_names
 
 GRANULARITIES = ("shared", "layer", "head")
 PROTOCOLS = ("decode", "prefill")  # when eviction runs (``jaxkv.eviction``)
+WINDOW_INPUTS = (None, "future", "reconstruction")  # see Policy.window_input
 TIER = 2.0  # added to the [0, 1) scores of protected slots (sinks, recent windows)
 
 
@@ -33,6 +34,11 @@ class Policy:
             ``jaxkv.kvcache.QUERIES`` for the query moments); the decoder
             computes only these, so a policy that reads none pays nothing for them.
         evicts: False for ``full`` (the engine then keeps everything).
+        window_input: what the policy reads of the window it runs, that only a teacher-forced
+            evaluation computes (``jaxkv.evals.fidelity``): ``"future"``, the full-cache
+            attention of the queries to come (the oracle), or ``"reconstruction"``, kvzip's
+            reconstruction pass over the prompt; ``init`` then takes it by that name. None
+            for a policy that reads only the cache.
         spec: hashable identity (name and settings): equal specs are the same policy, so
             jit caches compiled code across equal policies.
     """
@@ -45,10 +51,15 @@ class Policy:
     window: int = 64
     stats: tuple[str, ...] = ()
     evicts: bool = True
+    window_input: str | None = None
     spec: tuple = ()
 
     def __post_init__(self):
         stat_names(self.stats)  # raises on unknown names
+        if self.window_input not in WINDOW_INPUTS:
+            raise ValueError(
+                f"window_input must be one of {WINDOW_INPUTS}, got {self.window_input!r}"
+            )
 
     def _identity(self):
         return self.name, self.spec, self.stats

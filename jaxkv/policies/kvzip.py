@@ -39,15 +39,21 @@ N_SINK = 4  # kvpress's default
 
 @struct.dataclass
 class Reconstruction:
-    """kvzip's state: ``scores[L, B, K, S]``, the score of every prompt position (sinks
-    included, at ``TIER``)."""
+    """kvzip's state: ``scores[L, B, K, S]``, the most attention any reconstruction query pays
+    each prompt position (sinks not marked)."""
 
     scores: jax.Array
 
+    def at(self, pos_LBKC: jax.Array) -> jax.Array:
+        """The score of the prompt position each slot holds; 0 for positions past the
+        prompt (and free slots)."""
+        S = self.scores.shape[-1]
+        idx = jnp.clip(pos_LBKC, 0, S - 1)
+        got = jnp.take_along_axis(self.scores, idx, axis=-1)
+        return jnp.where((pos_LBKC >= 0) & (pos_LBKC < S), got, 0.0)
 
-def reconstruction(
-    attn_QLBKT: jax.Array, prompt_len: int, *, n_sink: int = N_SINK
-) -> Reconstruction:
+
+def reconstruction(attn_QLBKT: jax.Array, prompt_len: int) -> Reconstruction:
     """kvzip's state from the reconstruction pass's attention rows.
 
     Args:
@@ -55,28 +61,33 @@ def reconstruction(
             the context that follow the prompt) over positions, mean over each KV group
             (``jaxkv.generate.full_cache_attention`` of ``prompt + repeat + prompt + [any]``).
         prompt_len: S, the prompt tokens; positions ``>= S`` are the reconstruction's own.
-        n_sink: the first positions, always kept.
     """
-    scores = jnp.max(attn_QLBKT[..., :prompt_len].astype(jnp.float32), axis=0)
-    sink = jnp.arange(prompt_len) < n_sink
-    return Reconstruction(scores=jnp.where(sink, TIER + scores, scores))
+    return Reconstruction(scores=jnp.max(attn_QLBKT[..., :prompt_len].astype(jnp.float32), axis=0))
 
 
-def kvzip() -> Policy:
-    """KVzip's reconstruction scores (the module docstring); the state is ``reconstruction``'s."""
+def kvzip(*, n_sink: int = N_SINK) -> Policy:
+    """KVzip's reconstruction scores (the module docstring), the first ``n_sink`` positions
+    always kept; the state is ``reconstruction``'s."""
 
-    def init():
-        raise ValueError(
-            "the kvzip policy needs the prompt's reconstruction pass; only the fidelity "
-            "evaluation computes it (python -m jaxkv.eval fidelity --protocol prefill "
-            "--policies kvzip,...)"
-        )
+    def init(reconstruction: Reconstruction | None = None) -> Reconstruction:
+        if reconstruction is None:
+            raise ValueError(
+                "the kvzip policy needs the prompt's reconstruction pass; only the fidelity "
+                "evaluation computes it (python -m jaxkv.eval fidelity --protocol prefill "
+                "--policies kvzip,...)"
+            )
+        return reconstruction
 
     def score(state: Reconstruction, cache, **_):
         S = state.scores.shape[-1]
-        later = cache.pos >= S  # generated after the eviction (the prefill protocol keeps them)
-        idx = jnp.clip(cache.pos, 0, S - 1)
-        prompt = jnp.take_along_axis(state.scores, idx, axis=-1)
-        return jnp.where(later, 2 * TIER, prompt)
+        prompt = jnp.where(cache.pos < n_sink, TIER + state.at(cache.pos), state.at(cache.pos))
+        return jnp.where(cache.pos >= S, 2 * TIER, prompt)  # later: generated after the eviction
 
-    return Policy(NAME, score=score, init=init, protocols=("prefill",))
+    return Policy(
+        NAME,
+        score=score,
+        init=init,
+        protocols=("prefill",),
+        window_input="reconstruction",
+        spec=(("n_sink", n_sink),),
+    )

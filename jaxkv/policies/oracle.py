@@ -52,11 +52,14 @@ def future_attention(attn_QLBKS: jax.Array, *, first_query: int) -> FutureAttent
 def oracle() -> Policy:
     """The future-attention oracle (see the module docstring)."""
 
-    def init():
-        raise ValueError(
-            "the oracle policy needs the full-cache attention of the future tokens; only the "
-            "fidelity evaluation (teacher forcing, python -m jaxkv.eval fidelity) computes it"
-        )
+    def init(future: FutureAttention | None = None) -> FutureAttention:
+        if future is None:
+            raise ValueError(
+                "the oracle policy needs the full-cache attention of the future tokens; only "
+                "the fidelity evaluation (teacher forcing, python -m jaxkv.eval fidelity) "
+                "computes it"
+            )
+        return future
 
     def score(state: FutureAttention, cache, **_):
         Q = state.suffix.shape[0] - 1
@@ -66,4 +69,4 @@ def oracle() -> Policy:
         idx = jnp.clip(cache.pos, 0, ahead_LBKS.shape[-1] - 1)
         return jnp.take_along_axis(ahead_LBKS, idx, axis=-1)
 
-    return Policy(NAME, score=score, init=init)
+    return Policy(NAME, score=score, init=init, window_input="future")

@@ -20,6 +20,7 @@ A ranker checkpoint is a ``jaxkv.checkpoint`` directory whose meta file is ``ran
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ import jax.numpy as jnp
 from jaxkv import checkpoint as checkpoint_lib
 from jaxkv.kvcache import KVCache
 from jaxkv.policies import critical as critical_lib
+from jaxkv.policies import kvzip as kvzip_lib
 from jaxkv.policies.base import TIER, Policy
 from jaxkv.policies.heuristics import protect_recent
 from jaxkv.policies.learned import checkpoint_path
@@ -53,9 +55,14 @@ FEATURES = (
     "z_attn_cum",  # log_attn_cum standardized over the row's tokens
     "z_recent",  # log_recent standardized over the row's tokens
     "log_wo_vnorm",  # ||W_o v||_1, mean over the KV group's query heads (CriticalKV's norm)
+    "log_recon",  # kvzip's score: the most attention a query reconstructing the prompt pays
+    "z_recon",  # log_recon standardized over the row's tokens
 )
 MODEL_FEATURES = ("log_wo_vnorm",)  # read the model's W_o (``jaxkv.policies.with_model``)
-DEFAULT_FEATURES = tuple(n for n in FEATURES if n not in MODEL_FEATURES)  # the shipped ranker's
+RECON_FEATURES = ("log_recon", "z_recon")  # read kvzip's reconstruction pass (prefill only)
+DEFAULT_FEATURES = tuple(  # the shipped rankers'
+    n for n in FEATURES if n not in MODEL_FEATURES + RECON_FEATURES
+)
 STATS = ("attn", "attn_sq", "attn_cum", "recent", "recent_ent", "vnorm")
 _EPS = 1e-6
 
@@ -73,10 +80,15 @@ def _row_z(x_LBKC: jax.Array, valid_LBKC: jax.Array) -> jax.Array:
 
 
 def head_features(
-    cache: KVCache, *, names: tuple[str, ...] = FEATURES, wo_LNHD: jax.Array | None = None
+    cache: KVCache,
+    *,
+    names: tuple[str, ...] = FEATURES,
+    wo_LNHD: jax.Array | None = None,
+    reconstruction: kvzip_lib.Reconstruction | None = None,
 ) -> jax.Array:
     """Per-row features of every slot, [L, B, K, C, F] in ``names`` order (0 on free slots),
-    from a cache carrying ``STATS``; ``MODEL_FEATURES`` need the model's stacked W_o."""
+    from a cache carrying ``STATS``; ``MODEL_FEATURES`` need the model's stacked W_o,
+    ``RECON_FEATURES`` kvzip's reconstruction scores of the prompt (0 past the prompt)."""
     unknown = [n for n in names if n not in FEATURES]
     if unknown:
         raise ValueError(f"unknown ranker features {unknown}; valid: {FEATURES}")
@@ -84,6 +96,11 @@ def head_features(
         raise ValueError(
             "the ranker's feature log_wo_vnorm reads the model's W_o: bind it "
             "with jaxkv.policies.with_model(policy, params)"
+        )
+    if reconstruction is None and any(n in RECON_FEATURES for n in names):
+        raise ValueError(
+            "the ranker's features log_recon / z_recon read kvzip's reconstruction pass, which "
+            "only the fidelity evaluation computes (--protocol prefill)"
         )
     st = cache.stats
     valid = cache.valid
@@ -94,6 +111,7 @@ def head_features(
     recent = jnp.maximum(st["recent"], 0.0)
     log_cum, log_recent = _log(st["attn_cum"]), _log(recent)
     depth = jnp.arange(L, dtype=jnp.float32) / max(L - 1, 1)
+    log_recon = functools.cache(lambda: _log(reconstruction.at(cache.pos)))
     cols = {  # lazily: only the named columns are computed
         "log_attn": lambda: _log(st["attn"]),
         "log_attn_var": lambda: _log(st["attn_sq"] - st["attn"] ** 2),
@@ -111,6 +129,8 @@ def head_features(
         "z_attn_cum": lambda: _row_z(log_cum, valid),
         "z_recent": lambda: _row_z(log_recent, valid),
         "log_wo_vnorm": lambda: _log(critical_lib.projected_norms(cache.values(), wo_LNHD)),
+        "log_recon": log_recon,
+        "z_recon": lambda: _row_z(log_recon(), valid),
     }
     feats = jnp.stack([cols[n]() for n in names], axis=-1)
     return jnp.where(valid[..., None], feats, 0.0)
@@ -157,26 +177,35 @@ def ranker_policy(
     ``features``. Always kept: the first ``sinks`` positions (attention sinks) and the newest
     ``floor(recent_fraction * B)`` tokens of each sequence (as H2O's window).
 
-    The state is ``(params, wo_LNHD)``: ``init(wo_LNHD=None)`` takes the model's stacked
-    output projection, needed (and then required) only by ``MODEL_FEATURES``."""
+    The state is ``(params, wo_LNHD, reconstruction)``: ``init(wo_LNHD=None,
+    reconstruction=None)`` takes the model's stacked output projection, needed (and then
+    required) only by ``MODEL_FEATURES``, and kvzip's reconstruction scores of the prompt,
+    needed only by ``RECON_FEATURES`` (such a ranker compresses once, ``prefill`` protocol,
+    and only the fidelity evaluation computes its state: ``Policy.window_input``)."""
     if not 0 <= recent_fraction <= 1:
         raise ValueError(f"recent_fraction must be in [0, 1], got {recent_fraction}")
     features = tuple(features)
     if params["mean"].shape != (len(features),):
         raise ValueError(f"params for {params['mean'].shape[0]} features, got {features}")
     needs_wo = any(n in MODEL_FEATURES for n in features)
+    needs_recon = any(n in RECON_FEATURES for n in features)
 
-    def init(wo_LNHD=None):
+    def init(wo_LNHD=None, reconstruction=None):
         if needs_wo and wo_LNHD is None:
             raise ValueError(
                 f"{name} reads the model's output projection W_o; bind it to the model with "
                 "jaxkv.policies.with_model(policy, params)"
             )
-        return params, wo_LNHD if needs_wo else None
+        if needs_recon and reconstruction is None:
+            raise ValueError(
+                f"{name} reads kvzip's reconstruction pass over the prompt; only the fidelity "
+                "evaluation computes it (python -m jaxkv.eval fidelity --protocol prefill)"
+            )
+        return params, wo_LNHD if needs_wo else None, reconstruction if needs_recon else None
 
     def score(state, cache, *, budget_B, **_):
-        weights, wo = state
-        feats = head_features(cache, names=features, wo_LNHD=wo)
+        weights, wo, recon = state
+        feats = head_features(cache, names=features, wo_LNHD=wo, reconstruction=recon)
         s = scores_from_features(weights, feats, cache.valid)
         if not (recent_fraction or sinks):
             return s  # the raw log-odds (module docstring)
@@ -188,7 +217,14 @@ def ranker_policy(
         return jnp.where(cache.valid, s, -jnp.inf)
 
     spec = (*spec, ("features", features), ("recent_fraction", recent_fraction), ("sinks", sinks))
-    return Policy(name=name, score=score, init=init, stats=STATS, spec=spec)
+    return Policy(
+        name=name,
+        score=score,
+        init=init,
+        stats=STATS,
+        spec=spec,
+        **({"protocols": ("prefill",), "window_input": "reconstruction"} if needs_recon else {}),
+    )
 
 
 def save_ranker(

@@ -23,6 +23,11 @@ outputs, to first order, rather than from their weights (CriticalKV's argument).
 ``target="critical"`` the norm is taken after the output projection, ``||W_o v||_1`` (mean
 over the KV group's query heads: CriticalKV's own bound, the ``log_wo_vnorm`` feature).
 
+A ranker whose features include kvzip's reconstruction scores (``ranker.RECON_FEATURES``,
+prefill protocol only) gets them at every point P from kvzip's reconstruction pass over the
+window's first P tokens (``jaxkv.evals.fidelity.prompt_reconstruction``: P + 15 more decode
+steps per point, the costliest part of its data); other rankers get zeros in those columns.
+
 Loss. ListNet per (point, window, layer, KV head) row: the cross-entropy between the row's
 target distribution (future attention normalized over the row) and the softmax of its scores,
 so the scores are log-odds of future attention, each row's up to a constant of its own. With
@@ -52,9 +57,11 @@ import optax
 from tqdm import tqdm
 
 from jaxkv import eviction, kvcache
+from jaxkv.evals.fidelity import prompt_reconstruction, repeat_ids
 from jaxkv.evals.tasks import token_ids
 from jaxkv.model.decoder import extend, prefill
 from jaxkv.policies import get_policy
+from jaxkv.policies import kvzip as kvzip_lib
 from jaxkv.policies import ranker as ranker_lib
 from jaxkv.rl.data import TRAIN_DOMAINS, domain_text
 
@@ -106,6 +113,17 @@ class RankerConfig:
         unknown = set(self.features) - set(ranker_lib.FEATURES)
         if not self.features or unknown:
             raise ValueError(f"features must be some of {ranker_lib.FEATURES}, got {unknown}")
+        if self.reconstructs and self.pruned_ratios:
+            raise ValueError(
+                "the reconstruction features (kvzip's scores of the prompt) exist only in the "
+                "prefill protocol: give no pruned_ratios with them"
+            )
+
+    @property
+    def reconstructs(self) -> bool:
+        """Whether the ranker reads kvzip's reconstruction scores (``RECON_FEATURES``): the
+        data then runs kvzip's reconstruction pass over every point's prefix."""
+        return any(n in ranker_lib.RECON_FEATURES for n in self.features)
 
     @property
     def columns(self) -> np.ndarray:
@@ -157,16 +175,17 @@ def _extend(params, tokens, cache, *, config):
     return extend(params, tokens, cache, config=config)[1]
 
 
-def _rows(cache, future_LBKT, wo_LNHD):
+def _rows(cache, future_LBKT, wo_LNHD, reconstruction):
     """Features [L, B, K, m, F] and targets [L, B, K, m] of the m valid slots of every row
     (every row holds the same number), the targets read at each slot's position."""
-    return _rows_jit(cache, future_LBKT, wo_LNHD, m=int(jnp.sum(cache.valid[0, 0, 0])))
+    m = int(jnp.sum(cache.valid[0, 0, 0]))
+    return _rows_jit(cache, future_LBKT, wo_LNHD, reconstruction, m=m)
 
 
 @functools.partial(jax.jit, static_argnames=("m",))
-def _rows_jit(cache, future_LBKT, wo_LNHD, *, m):
+def _rows_jit(cache, future_LBKT, wo_LNHD, reconstruction, *, m):
     order = jnp.argsort(~cache.valid, axis=-1, stable=True)[..., :m]
-    feats = ranker_lib.head_features(cache, wo_LNHD=wo_LNHD)
+    feats = ranker_lib.head_features(cache, wo_LNHD=wo_LNHD, reconstruction=reconstruction)
     feats = jnp.take_along_axis(feats, order[..., None], axis=3)
     pos = jnp.take_along_axis(cache.pos, order, axis=-1)
     return feats, jnp.take_along_axis(future_LBKT, pos, axis=-1)
@@ -183,9 +202,16 @@ def _evict(cache, compression):
     return eviction.evict(cache, compression, None, key=jax.random.key(0))
 
 
-def collect(params, config, windows: np.ndarray, cfg: RankerConfig, *, rng) -> list[RowSet]:
+def collect(
+    params, config, windows: np.ndarray, cfg: RankerConfig, *, rng, repeat_R=None
+) -> list[RowSet]:
     """Feature and target rows of every point of ``windows`` [n, window] (module docstring):
-    one RowSet per point for the full cache, then one per (point, pruned ratio)."""
+    one RowSet per point for the full cache, then one per (point, pruned ratio).
+
+    ``repeat_R``: kvzip's repeat request (``fidelity.repeat_ids``), needed when ``cfg``
+    ``reconstructs``; the reconstruction columns are 0 otherwise."""
+    if cfg.reconstructs and repeat_R is None:
+        raise ValueError("reconstruction features need kvzip's repeat request (repeat_R)")
     kinds = [None, *cfg.pruned_ratios]
     wo = params["layers"]["wo"]
     feats = {(k, p): [] for k in kinds for p in cfg.points}
@@ -211,8 +237,9 @@ def collect(params, config, windows: np.ndarray, cfg: RankerConfig, *, rng) -> l
             cum[n] = caches[None].stats["attn_cum"]
         for p in cfg.points:
             future = cum[p + cfg.horizon] - cum[p]
+            recon = _reconstruction(params, config, windows[b : b + cfg.batch, :p], cfg, repeat_R)
             for k in kinds:
-                f, t = (np.asarray(x) for x in _rows(states[k][p], future, wo))
+                f, t = (np.asarray(x) for x in _rows(states[k][p], future, wo, recon))
                 f = f.reshape(-1, f.shape[-2], f.shape[-1]).astype(np.float16)
                 t = t.reshape(-1, t.shape[-1])
                 keep = rng.random(len(t)) < cfg.row_fraction
@@ -230,6 +257,14 @@ def collect(params, config, windows: np.ndarray, cfg: RankerConfig, *, rng) -> l
         for k in kinds
         for p in cfg.points
     ]
+
+
+def _reconstruction(params, config, prompts_BS, cfg: RankerConfig, repeat_R):
+    """kvzip's scores of the prompts when ``cfg`` reads them, else zeros of their shape."""
+    if cfg.reconstructs:
+        return prompt_reconstruction(params, prompts_BS, repeat_R, config=config)
+    B, S = prompts_BS.shape
+    return kvzip_lib.Reconstruction(jnp.zeros((config.n_layers, B, config.n_kv_heads, S)))
 
 
 def weighted(future: np.ndarray, feats: np.ndarray, target: str) -> np.ndarray:
@@ -351,9 +386,10 @@ def train(model, cfg: RankerConfig, out: Path) -> Path:
 def collect_splits(model, cfg: RankerConfig) -> dict[str, list[list[RowSet]]]:
     """Rows of every training domain's train and validation windows: split -> per domain."""
     rng = np.random.default_rng(cfg.seed)
+    repeat = repeat_ids(model.tokenizer) if cfg.reconstructs else None
     return {
         split: [
-            collect(model.params, model.config, w, cfg, rng=rng)
+            collect(model.params, model.config, w, cfg, rng=rng, repeat_R=repeat)
             for w in domain_windows(model.tokenizer, cfg, split=split).values()
         ]
         for split in ("train", "val")
