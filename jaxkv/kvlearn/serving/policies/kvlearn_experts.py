@@ -476,33 +476,37 @@ class ExpertKVLearn(BlockKVLearn):
                 r *= save[j] / max(save[0], 1e-9) if x.cost_weighted else 1.0
                 xs.weights_E = penalise(xs.weights_E, k, r, learning_rate=x.learning_rate)
         if x.choice == "guard":
-            saved = float(save[:hit].sum())
-            base = [float(save[: sh.lookup(blocks, i, now)].sum()) for sh in self.shadows]
-            xs.saved_real += saved
-            xs.saved_base_B += base
-            xs.full += float(self.full_ms[i])
-            if x.base_margin:  # hysteresis: each change of baseline costs follow evictions
-                best = lead(xs.saved_base_B, xs.base, margin=x.base_margin)
-            else:
-                best = int(np.argmax(xs.saved_base_B))
-            xs.base_switches += best != xs.base
-            xs.base = best
-            back_off = guard(xs.saved_real, xs.saved_base_B[best], xs.full, slack=x.slack)
-            if x.window:
-                g = 1.0 - 1.0 / x.window
-                xs.recent_real = g * xs.recent_real + saved
-                xs.recent_base_B = g * xs.recent_base_B + base
-                xs.recent_full = g * xs.recent_full + float(self.full_ms[i])
-                recent = guard(
-                    xs.recent_real, xs.recent_base_B[best], xs.recent_full, slack=x.slack
-                )
-                back_off = back_off or recent
-            xs.leader = 1 + best if back_off else 0
-            xs.backoff_requests += back_off
+            self._guard_step(blocks, hit, i, now)
         elif self.shadows:
             saved = np.array([sh.step(self, blocks) for sh in self.shadows])
             xs.score_E = (1.0 - 1.0 / max(self.state.horizon, 1.0)) * xs.score_E + saved
             xs.leader = lead(xs.score_E, xs.leader, margin=x.margin)
+
+    def _guard_step(self, blocks, hit: int, i: int, now: float) -> None:
+        """(``"guard"``) Scores request i in the real pool and every baseline's shadow, picks
+        the baseline to follow and whether the learner backs off to it."""
+        xs, x, save = self.xs, self.xcfg, self.costs.save_ms
+        saved = float(save[:hit].sum())
+        base = [float(save[: sh.lookup(blocks, i, now)].sum()) for sh in self.shadows]
+        xs.saved_real += saved
+        xs.saved_base_B += base
+        xs.full += float(self.full_ms[i])
+        if x.base_margin:  # hysteresis: each change of baseline costs follow evictions
+            best = lead(xs.saved_base_B, xs.base, margin=x.base_margin)
+        else:
+            best = int(np.argmax(xs.saved_base_B))
+        xs.base_switches += best != xs.base
+        xs.base = best
+        back_off = guard(xs.saved_real, xs.saved_base_B[best], xs.full, slack=x.slack)
+        if x.window:
+            g = 1.0 - 1.0 / x.window
+            xs.recent_real = g * xs.recent_real + saved
+            xs.recent_base_B = g * xs.recent_base_B + base
+            xs.recent_full = g * xs.recent_full + float(self.full_ms[i])
+            recent = guard(xs.recent_real, xs.recent_base_B[best], xs.recent_full, slack=x.slack)
+            back_off = back_off or recent
+        xs.leader = 1 + best if back_off else 0
+        xs.backoff_requests += back_off
 
 
 def guard(saved_real: float, saved_base: float, full: float, *, slack: float) -> bool:
