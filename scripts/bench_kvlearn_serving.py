@@ -57,7 +57,13 @@ selection rule.
   second run. The guard was developed on workloads outside the protocol (seed-1 ``chat``,
   ``agent``, ``rag``, ``mmsession``). Found after the third run: ``kvlearn_experts``' default
   ``choice`` had become ``"shadow"`` after the second run, so in the third run
-  ``experts:lru+gd`` ran shadow pools over lru + gd, not LeCaR; the entry now says so.
+  ``experts:lru+gd`` ran shadow pools over lru + gd, not LeCaR; the entry now says so. Fourth
+  run (this rule, unchanged; the grid fixed before it): the third run's grid plus two guards
+  with slack 0 over a fuller baseline set, ``guard:moon+ca+gdsf,0%`` (``mooncake``,
+  ``cost_aware``, ``gdsf``) and ``guard:moon+ca+gdsf+lfu+s3,0%`` (also ``lfu`` and the
+  independent-key ``s3fifo``). They were designed after reading the third run's per-cell
+  results, in which every workload is a tuning workload of four folds, and checked on the
+  seed-1 development workloads of the guard (outside the protocol): ``docs/kvlearn.md``.
 * Rule for held-out workload W (third run; it reads p99 too): for each setting g, over the
   four other workloads × three pools, fails(g) = the cells where KVLearn_g's mean TTFT is more
   than 1.01 × the cell's best classical mean or its p99 more than 1.01 × the lowest classical
@@ -160,6 +166,20 @@ PROTOCOL_GRID = {
         "choice": "guard",
         "baselines": ["mooncake", "cost_aware"],
         "slack": 0.01,
+    },
+    "guard:moon+ca+gdsf,0%": {
+        "policy": "kvlearn_experts",
+        "experts": ["gd"],
+        "choice": "guard",
+        "baselines": ["mooncake", "cost_aware", "gdsf"],
+        "slack": 0.0,
+    },
+    "guard:moon+ca+gdsf+lfu+s3,0%": {
+        "policy": "kvlearn_experts",
+        "experts": ["gd"],
+        "choice": "guard",
+        "baselines": ["mooncake", "cost_aware", "gdsf", "lfu", "s3fifo"],
+        "slack": 0.0,
     },
 }
 GOAL_RATIO = 1.01  # the issue's bound on KVLearn / best classical, mean and p99, per cell

@@ -61,7 +61,7 @@ def _evictions(monkeypatch, name, tr, pool_blocks, nodes=1, **options):
     monkeypatch.setitem(policies_lib.REGISTRY, name, Recording)
     cfg = engine.ServingConfig(pool_blocks=pool_blocks, prefill_nodes=nodes)
     rec = engine.simulate(tr, name, cfg=cfg, cost=COST, **options)
-    return rec["hit_blocks"].tolist(), log
+    return rec["hit_blocks"].tolist(), list(log)  # a copy: a later call nests its class in this one
 
 
 @pytest.mark.parametrize("expert, reference", [("lru", "mooncake"), ("lfu", "lfu")])
@@ -296,6 +296,65 @@ def test_guard_backs_off_to_the_baseline_by_hand(monkeypatch):
     assert alone == ([0, 1, 0, 0, 0, 0], [B, C, A])  # lfu alone: C evicted at 4, missed at 5
 
 
+def test_guard_window_spends_only_a_recent_lead_by_hand():
+    """Capacity 2, guard over mooncake (learner lfu, slack 0). Requests A A B C A D C D C (one
+    block each). lfu keeps A (3 accesses) where the lru shadow lets it go at C, so the real
+    pool banks one hit at A (request 4: S = 2 s_0 against S_b = s_0); from D (request 5) on, lfu
+    keeps A and loses D and C in turn, while the shadow holds {D, C} and hits at 7 and 8.
+
+    Cumulative rule (window 0): at 7 S = S_b = 2 s_0, a tie, so lfu still evicts (C, the
+    lower count), C misses at 8 and only then does the guard back off (C's store evicts A). Window 1 (only this
+    request counts): at 7 the real pool saved 0 where the shadow saved s_0, so it backs off at
+    once, evicts A (the leaf the shadow does not hold) for D, and C hits at 8."""
+    A, B, C, D = 0, 1, 2, 3
+    tr = _trace([[A], [A], [B], [C], [A], [D], [C], [D], [C]])
+    trails = {}
+    for window in (0.0, 1.0):
+        pol = ExpertKVLearn(
+            tr,
+            COST,
+            pool_blocks=2,
+            experts=("lfu",),
+            baselines=("mooncake",),
+            choice="guard",
+            slack=0.0,
+            window=window,
+            predictor="logistic",
+        )
+        evicted: list[int] = []
+        cache = PrefixCache(
+            2,
+            n_blocks=tr.n_blocks,
+            on_evict=lambda b, pol=pol, ev=evicted: (ev.append(b), pol.on_evict(b)),
+        )
+        pol.attach(cache)
+        s0 = pol.costs.save_ms[0]
+        trail = [(pol.xs.saved_real / s0, pol.xs.leader) for _ in _replay(pol, tr, cache)]
+        trails[window] = trail, evicted, pol.xs.saved_base_B[0] / s0
+    #                  A       A       B       C       A       D       C       D       C
+    assert trails[0.0] == (
+        [(0, 0), (1, 0), (1, 0), (1, 0), (2, 0), (2, 0), (2, 0), (2, 0), (2, 1)],
+        [B, C, D, C, A],
+        3,
+    )
+    assert trails[1.0] == (
+        [(0, 0), (1, 0), (1, 0), (1, 0), (2, 0), (2, 0), (2, 0), (2, 1), (3, 0)],
+        [B, C, D, A],
+        3,
+    )
+
+
+def test_guard_window_as_long_as_the_trace_is_the_cumulative_rule(monkeypatch):
+    """A window far longer than the trace decays nothing that matters: the guard is the
+    cumulative one event for event (hits and evictions), with overlapping requests."""
+    reqs = _random_requests(5)
+    tr = _overlapping(reqs)
+    kw = dict(experts=("gd",), baselines=("mooncake", "gdsf"), choice="guard", slack=0.003)
+    ref = _evictions(monkeypatch, "kvlearn_experts", tr, 8, 3, **kw)
+    got = _evictions(monkeypatch, "kvlearn_experts", tr, 8, 3, window=1e12, **kw)
+    assert got == ref and len(ref[1]) > 20
+
+
 def test_guard_rule():
     """Back off iff full − S > (1 + slack)(full − S_b): the queue-free TTFT of the real pool
     above (1 + slack) × the baseline's."""
@@ -361,6 +420,32 @@ def test_guard_shadow_has_the_real_timing(monkeypatch):
     assert [e[2] for e in events if e[0] == "lookup"] == moon.tolist()
 
 
+@pytest.mark.parametrize("baseline", ["lru", "s3fifo"])
+def test_an_independent_key_shadow_is_its_policy(monkeypatch, baseline):
+    """A baseline that keeps blocks as independent keys (``lru``, ``s3fifo``: it may hold a
+    block without its parent) runs in its shadow exactly as alone, whatever the real pool does:
+    on sequential requests its hits are the policy's own engine run's, request by request,
+    with the learner never backing off (slack 0.99) and backing off whenever behind (0). The
+    real pool, prefix-closed, then only approximates it (no event-for-event claim)."""
+    hits: list[int] = []
+
+    class Recording(ExpertKVLearn):
+        def on_access(self, blocks, hit, i, now):
+            super().on_access(blocks, hit, i, now)
+            hits.append(self.shadows[1].hits[i])
+
+    monkeypatch.setitem(policies_lib.REGISTRY, "kvlearn_experts", Recording)
+    tr = _trace(_random_requests(6))
+    cfg = engine.ServingConfig(pool_blocks=8, prefill_nodes=1)
+    want = engine.simulate(tr, baseline, cfg=cfg, cost=COST)["hit_blocks"].tolist()
+    kw = dict(experts=("gd",), baselines=("mooncake", baseline), choice="guard")
+    for slack in (0.99, 0.0):
+        hits.clear()
+        rec = engine.simulate(tr, "kvlearn_experts", cfg=cfg, cost=COST, slack=slack, **kw)
+        assert hits == want and rec["evictions"] > 20
+    assert sum(want) > 50
+
+
 @pytest.mark.parametrize("baseline", ["mooncake", "lfu", "gdsf", "cost_aware"])
 def test_a_guard_that_always_backs_off_is_its_baseline(monkeypatch, baseline):
     """Forced to back off from the first request, the guard's real pool evicts only blocks its
@@ -403,11 +488,13 @@ def test_hyper_parameters_are_validated(tmp_path):
     with pytest.raises(ValueError, match="one expert"):
         ExpertConfig(experts=("gd", "lru"), choice="guard")
     with pytest.raises(ValueError, match="baselines"):
-        ExpertConfig(experts=("gd",), choice="guard", baselines=("lru",))
+        ExpertConfig(experts=("gd",), choice="guard", baselines=("arc",))
     with pytest.raises(ValueError, match="baselines"):
         ExpertConfig(experts=("gd",), choice="guard", baselines=())
     with pytest.raises(ValueError, match="slack"):
         ExpertConfig(experts=("gd",), choice="guard", slack=1.0)
+    with pytest.raises(ValueError, match="window"):
+        ExpertConfig(experts=("gd",), choice="guard", window=0.5)
     tr = _trace([[0, 1]])
     pol = ExpertKVLearn(tr, COST, pool_blocks=4, experts=["lfu", "gd"], predictor="logistic")
     assert pol.xcfg.experts == ("lfu", "gd") and pol.cfg.write_cost is False

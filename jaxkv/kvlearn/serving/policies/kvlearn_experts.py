@@ -53,7 +53,14 @@ al., CACHEUS, FAST 2021):
   the learner's order evicts. The learner may thus deviate from the best baseline only while
   its deviations have paid for themselves (a conservative bandit). Not bounded: the TTFT with
   queueing, which amplifies a queue-free difference, and the best classical policy when it is
-  not a baseline (``gdsf`` on the shipped trace at 10 %: ``docs/kvlearn.md``).
+  not a baseline (``gdsf`` on the shipped trace at 10 %: ``docs/kvlearn.md``). With
+  ``slack=0`` a deficit is never repaid (backed off, the real pool saves what the baseline
+  saves), so the learner leads only while it has never been behind: the safe end, where the
+  pool is, after its first deficit, the best baseline's. Baselines may keep blocks as
+  independent keys (``lru``, ``s3fifo``: a shadow holds what the policy alone holds, tested);
+  the prefix-closed real pool then only approximates such a shadow. ``base_margin`` adds
+  hysteresis to the choice of baseline, ``window`` a second, recent-only test of the same rule
+  (both off by default).
 * **Follow** (``follow=True``, with ``"shadow"``; always on with ``"guard"``): an expert with a
   shadow pool that takes over evicts first the real pool's leaves that its shadow does not
   hold (in the order the shadow let them go), so the real pool moves toward the contents the
@@ -90,14 +97,23 @@ from jaxkv.kvlearn.serving.policies.cost_aware import CostAware
 from jaxkv.kvlearn.serving.policies.gdsf import GDSF
 from jaxkv.kvlearn.serving.policies.kvlearn import BlockKVLearn
 from jaxkv.kvlearn.serving.policies.lfu import LFU
+from jaxkv.kvlearn.serving.policies.lru import LRUPool
 from jaxkv.kvlearn.serving.policies.mooncake import Mooncake
+from jaxkv.kvlearn.serving.policies.s3fifo import S3FIFO
 from jaxkv.kvlearn.serving.prefix import ROOT, PrefixCache
 from jaxkv.kvlearn.traces import MooncakeTrace
 
 EXPERTS = ("lru", "lfu", "gd", "gdsf")
 """The expert eviction orders this policy can learn over."""
-BASELINES = {"mooncake": Mooncake, "lfu": LFU, "gdsf": GDSF, "cost_aware": CostAware}
-"""The classical prefix-cache policies a guard can run in a shadow pool (``baselines``)."""
+BASELINES = {
+    "mooncake": Mooncake,
+    "lfu": LFU,
+    "gdsf": GDSF,
+    "cost_aware": CostAware,
+    "lru": LRUPool,
+    "s3fifo": S3FIFO,
+}
+"""The classical block policies a guard can run in a shadow pool (``baselines``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +141,15 @@ class ExpertConfig:
             queue-free TTFT is ≤ (1 + slack) × the best baseline shadow's.
         follow: (``"shadow"``) a leader with a shadow pool first evicts the real leaves its
             shadow does not hold (always, with ``"guard"``).
+        window: (``"guard"``) > 0: the learner must also keep the real pool's *recent*
+            queue-free TTFT (every term decayed by 1 − 1/window per request) within
+            (1 + slack) of the best baseline's, so a lead banked long ago cannot pay for a
+            run of bad evictions now (a burst, where queueing turns them into tail TTFT);
+            0: the cumulative rule alone.
+        base_margin: (``"guard"``) the baseline followed (the best by cumulative saving)
+            changes only when another's saving exceeds its by this fraction (hysteresis: a
+            change makes the real pool migrate to another shadow's contents); 0: the best at
+            every request.
     """
 
     experts: tuple[str, ...] = ("gd", "gdsf", "lru", "lfu")
@@ -137,6 +162,8 @@ class ExpertConfig:
     baselines: tuple[str, ...] = ("mooncake",)
     slack: float = 0.01
     follow: bool = False
+    window: float = 0.0
+    base_margin: float = 0.0
 
     def __post_init__(self):
         bad = [e for e in self.experts if e not in EXPERTS]
@@ -153,10 +180,12 @@ class ExpertConfig:
             raise ValueError(
                 f"baselines must be distinct names from {tuple(BASELINES)}, got {self.baselines}"
             )
-        if not self.margin >= 0:
-            raise ValueError(f"margin must be ≥ 0, got {self.margin}")
+        if not (self.margin >= 0 and self.base_margin >= 0):
+            raise ValueError(f"margins must be ≥ 0, got {self.margin}, {self.base_margin}")
         if not 0 <= self.slack < 1:
             raise ValueError(f"slack must be in [0, 1), got {self.slack}")
+        if not (self.window == 0 or self.window >= 1):
+            raise ValueError(f"window must be 0 (off) or ≥ 1 request, got {self.window}")
         if not (self.learning_rate >= 0 and 0 < self.discount <= 1 and self.history > 0):
             raise ValueError("need learning_rate ≥ 0, 0 < discount ≤ 1 and history > 0")
 
@@ -179,9 +208,13 @@ class ExpertState:
         score_E: (``"shadow"``) each shadow pool's decayed recompute saved (ms).
         leader: (``"shadow"``) the expert that evicts; (``"guard"``) 0 the learner, k ≥ 1
             baseline k − 1.
+        base, base_switches: (``"guard"``) the baseline backed off to when the learner does
+            not lead, and how often it changed (diagnostics).
         saved_real: (``"guard"``) cumulative recompute saved (ms) by the real pool's hits.
         saved_base_B: (``"guard"``) the same for each baseline's shadow pool.
         full: (``"guard"``) Σ R(n_i) + T(n_i) so far (ms).
+        recent_base_B, recent_real, recent_full: (``"guard"`` with ``window``) saved_base_B,
+            saved_real and full with every request's term decayed by 1 − 1/window per request.
         orphans: (``follow``) per leader index, a lazy heap of (queue number, block) of real
             blocks its shadow may not hold (checked when met); ``n_orphan`` numbers given.
         backoff_requests, follow_evictions: counters (diagnostics).
@@ -200,7 +233,10 @@ class ExpertState:
     score_E: np.ndarray
     orphans: dict[int, list]
     saved_base_B: np.ndarray
+    recent_base_B: np.ndarray
     saved_real: float = 0.0
+    recent_real: float = 0.0
+    recent_full: float = 0.0
     full: float = 0.0
     n_orphan: int = 0
     backoff_requests: int = 0
@@ -210,6 +246,8 @@ class ExpertState:
     chooser: int = 0
     parent: int = ROOT
     leader: int = 0
+    base: int = 0
+    base_switches: int = 0
 
     @classmethod
     def empty(cls, n_experts: int, n_blocks: int, n_baselines: int = 0) -> ExpertState:
@@ -228,6 +266,7 @@ class ExpertState:
             score_E=np.zeros(e),
             orphans=collections.defaultdict(list),
             saved_base_B=np.zeros(n_baselines),
+            recent_base_B=np.zeros(n_baselines),
         )
 
 
@@ -437,18 +476,37 @@ class ExpertKVLearn(BlockKVLearn):
                 r *= save[j] / max(save[0], 1e-9) if x.cost_weighted else 1.0
                 xs.weights_E = penalise(xs.weights_E, k, r, learning_rate=x.learning_rate)
         if x.choice == "guard":
-            xs.saved_real += float(save[:hit].sum())
-            for k, sh in enumerate(self.shadows):
-                xs.saved_base_B[k] += float(save[: sh.lookup(blocks, i, now)].sum())
-            xs.full += float(self.full_ms[i])
-            best = int(np.argmax(xs.saved_base_B))
-            back_off = guard(xs.saved_real, xs.saved_base_B[best], xs.full, slack=x.slack)
-            xs.leader = 1 + best if back_off else 0
-            xs.backoff_requests += back_off
+            self._guard_step(blocks, hit, i, now)
         elif self.shadows:
             saved = np.array([sh.step(self, blocks) for sh in self.shadows])
             xs.score_E = (1.0 - 1.0 / max(self.state.horizon, 1.0)) * xs.score_E + saved
             xs.leader = lead(xs.score_E, xs.leader, margin=x.margin)
+
+    def _guard_step(self, blocks, hit: int, i: int, now: float) -> None:
+        """(``"guard"``) Scores request i in the real pool and every baseline's shadow, picks
+        the baseline to follow and whether the learner backs off to it."""
+        xs, x, save = self.xs, self.xcfg, self.costs.save_ms
+        saved = float(save[:hit].sum())
+        base = [float(save[: sh.lookup(blocks, i, now)].sum()) for sh in self.shadows]
+        xs.saved_real += saved
+        xs.saved_base_B += base
+        xs.full += float(self.full_ms[i])
+        if x.base_margin:  # hysteresis: each change of baseline costs follow evictions
+            best = lead(xs.saved_base_B, xs.base, margin=x.base_margin)
+        else:
+            best = int(np.argmax(xs.saved_base_B))
+        xs.base_switches += best != xs.base
+        xs.base = best
+        back_off = guard(xs.saved_real, xs.saved_base_B[best], xs.full, slack=x.slack)
+        if x.window:
+            g = 1.0 - 1.0 / x.window
+            xs.recent_real = g * xs.recent_real + saved
+            xs.recent_base_B = g * xs.recent_base_B + base
+            xs.recent_full = g * xs.recent_full + float(self.full_ms[i])
+            recent = guard(xs.recent_real, xs.recent_base_B[best], xs.recent_full, slack=x.slack)
+            back_off = back_off or recent
+        xs.leader = 1 + best if back_off else 0
+        xs.backoff_requests += back_off
 
 
 def guard(saved_real: float, saved_base: float, full: float, *, slack: float) -> bool:
