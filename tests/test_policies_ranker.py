@@ -261,7 +261,12 @@ def test_a_ranker_on_some_features_trains_saves_and_scores(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "name,pool", [("ranker_smollm2_cpu", 1), ("ranker_global_smollm2_cpu", 90)]
+    "name,pool",
+    [
+        ("ranker_smollm2_cpu", 1),
+        ("ranker_global_smollm2_cpu", 90),
+        ("ranker_kvzip_smollm2_cpu", 90),
+    ],
 )
 def test_shipped_rankers_load_and_never_read_the_held_out_domain(name, pool):
     policy = get_policy(f"ranker:{name}")
@@ -269,6 +274,9 @@ def test_shipped_rankers_load_and_never_read_the_held_out_domain(name, pool):
     assert HELDOUT_DOMAIN not in meta["trained_on"] and HELDOUT_DOMAIN not in meta["validation"]
     assert meta["config"].get("pool", 1) == pool  # global pools raw scores: only pool > 1 ranks
     assert policy.spec[0] == ("path", name)
+    reads_kvzip = set(ranker_lib.RECON_FEATURES) <= set(meta["features"])
+    assert policy.window_input == ("reconstruction" if reads_kvzip else None)
+    assert reads_kvzip == (name == "ranker_kvzip_smollm2_cpu")
 
 
 def test_reconstruction_features_are_kvzips_scores_at_each_slot():
