@@ -31,6 +31,7 @@ tiny contexts, one repetition, into ``runs/``, a smoke test only).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -340,6 +341,11 @@ def make_engines(args, client):
     engines, facts = {}, dict(jax=jax.__version__, jax_devices=str(jax.devices()))
     model = jaxkv.load("smollm2-135m")
     engines["jaxkv f32"] = JaxEngine(model, label="f32")
+    if args.out_first:
+        from jaxkv.model import weights_int8
+
+        oi = dataclasses.replace(model, params=weights_int8.transpose_params(model.params))
+        engines["jaxkv f32 out-first"] = JaxEngine(oi, label="f32-out-first")
     try:
         int8 = jaxkv.load("smollm2-135m", dtype="int8")
         engines["jaxkv int8"] = JaxEngine(int8, label="int8")
@@ -434,6 +440,8 @@ def run(args, client) -> dict:
 PAIRS = [  # (ours, peer): ours' speed relative to the peer's, >1 = ours faster
     ("jaxkv f32", "torch f32"),
     ("jaxkv f32", "llama.cpp F32"),
+    ("jaxkv f32 out-first", "llama.cpp F32"),
+    ("jaxkv f32 out-first", "jaxkv f32"),
     ("jaxkv int8", "llama.cpp Q8_0"),
     ("jaxkv int8 + int8 KV", "llama.cpp Q8_0"),
     ("jaxkv f32", "llama.cpp Q8_0"),
@@ -494,6 +502,12 @@ def main():
         "--int8-cache",
         action="store_true",
         help="also jaxkv int8 weights with the int8 KV cache (llama.cpp's cache is f16)",
+    )
+    ap.add_argument(
+        "--out-first",
+        action="store_true",
+        help="also jaxkv f32 with its weights stored output channels first "
+        "(jaxkv.load(..., out_first=True))",
     )
     ap.add_argument("--llama-types", default=",".join(LLAMA_TYPES))
     ap.add_argument(

@@ -19,11 +19,14 @@ Markdown tables that ``results/profile_decode.md`` quotes):
         [--impl old]
     .venv/bin/python scripts/profile_decode.py bandwidth
     .venv/bin/python scripts/profile_decode.py compare [--reps 9]
+    .venv/bin/python scripts/profile_decode.py parity --dtype out-first   # max |dlogit|
 
 ``--dtype int8`` does the same for the int8-weight model (``jaxkv.model.weights_int8``):
 "old" is then the int8 path before "After int8 weights" (``_old_int8_*``: qwix QArrays in
 the float layout) and "new" the library; ``compare --decode 1:1024,8:1024 --prefill ''``
-picks the rows.
+picks the rows. ``--dtype out-first`` compares float32 weights in the canonical layout
+("old") with the same weights stored output channels first (``weights_int8.transpose_params``,
+"new"), both through the library's decoder.
 """
 
 from __future__ import annotations
@@ -291,12 +294,35 @@ class Int8Model:
         return self.old_params if impl == "old" else self.params
 
 
+class OutFirstModel:
+    """The float SmolLM2 with its weights in the canonical layout ("old") and stored output
+    channels first ("new"); both run the library's decoder."""
+
+    def __init__(self, model):
+        self.config, self.tokenizer = model.config, model.tokenizer
+        self.old_params = model.params
+        self.params = weights_int8.transpose_params(model.params)
+
+    def params_of(self, impl):
+        return self.old_params if impl == "old" else self.params
+
+    @staticmethod
+    def impl_of(impl):
+        return "new"
+
+
+def _impl_of(model, impl):
+    """The decode/prefill implementation ``impl`` runs on ``model`` (``OutFirstModel``:
+    always the library's)."""
+    return model.impl_of(impl) if hasattr(model, "impl_of") else impl
+
+
 class Decoder:
     """A jitted decode step that owns its (donated) cache."""
 
     def __init__(self, model, impl, batch, ctx, stats=False):
         self.params = model.params_of(impl) if hasattr(model, "params_of") else model.params
-        self.step = decode_fn(impl, model.config, self.params)
+        self.step = decode_fn(_impl_of(model, impl), model.config, self.params)
         self.cache = filled_cache(model.config, batch, ctx, stats)
         self.token = jnp.zeros((batch,), jnp.int32)
 
@@ -314,7 +340,7 @@ class Prefiller:
     def __init__(self, model, impl, batch, n):
         self.params = model.params_of(impl) if hasattr(model, "params_of") else model.params
         self.model, self.batch, self.n = model, batch, n
-        self.fn = prefill_fn(impl, model.config, self.params)
+        self.fn = prefill_fn(_impl_of(model, impl), model.config, self.params)
         rng = np.random.default_rng(0)
         self.tokens = jnp.asarray(rng.integers(0, model.config.vocab_size, (batch, n)))
 
@@ -499,6 +525,36 @@ def _med(x):
     return statistics.median(x)
 
 
+def parity(model, n_windows=4, window=352, prompt_len=256):
+    """Teacher-forced logits (``prompt_len`` prefilled, the rest decoded) of held-out text
+    windows, "new" params against "old": rows (windows per call, max |dlogit|, mean |dlogit|,
+    top-1 agreement). One window per call decodes through the batch-1 path, all at once
+    through the few-row path."""
+    from jaxkv.evals import tasks
+    from jaxkv.generate import teacher_forced
+
+    windows = tasks.text_windows(window=window, n_windows=n_windows, tokenizer=model.tokenizer)
+
+    def stream(impl, batch):
+        params = model.params_of(impl)
+        parts = [
+            teacher_forced(
+                params, windows[i : i + batch], prompt_len=prompt_len, config=model.config
+            )[0]
+            for i in range(0, n_windows, batch)
+        ]
+        return np.concatenate([np.asarray(p, np.float64) for p in parts])
+
+    out = []
+    for batch in (1, n_windows):
+        ref, got = stream("old", batch), stream("new", batch)
+        delta = np.abs(got - ref)
+        agree = float(np.mean(np.argmax(ref, -1) == np.argmax(got, -1)))
+        out.append((batch, float(delta.max()), float(delta.mean()), agree))
+        print(out[-1], flush=True)
+    return out
+
+
 def _paired(old, new):
     """Median over turns of old time / new time (each turn runs both back to back)."""
     return _med([a / b for a, b in zip(old, new, strict=True)])
@@ -541,13 +597,16 @@ def _rows(text):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["all", "profile", "bandwidth", "compare"])
+    ap.add_argument("what", choices=["all", "profile", "bandwidth", "compare", "parity"])
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--stats", action="store_true", help="the cache carries every statistic")
     ap.add_argument("--impl", choices=["old", "new"], default="new")
     ap.add_argument(
-        "--dtype", choices=["float32", "int8"], default="float32", help="the model's weights"
+        "--dtype",
+        choices=["float32", "int8", "out-first"],
+        default="float32",
+        help="the model's weights (out-first: float32, canonical vs output channels first)",
     )
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--top", type=int, default=15)
@@ -565,12 +624,16 @@ def main():
     model = jaxkv.load("smollm2-135m")
     if args.dtype == "int8":
         model = Int8Model(model)
+    elif args.dtype == "out-first":
+        model = OutFirstModel(model)
     if args.what == "profile":
         print(
             profile_table(
                 *profile(model, args.impl, args.batch, args.context, args.stats), args.top
             )
         )
+    elif args.what == "parity":
+        parity(model)
     elif args.what == "compare":
         for r in compare(model, args.reps, args.decode, args.prefill):
             print(r)

@@ -13,7 +13,9 @@ slices as scan inputs. Measured on this 2-core CPU, against a Python loop unroll
 every call): decode at 4K context 61 vs 166 ms/token, batch 8 x 1K 124 vs 298 ms/token.
 Where a decode step's time goes, op by op, is in results/profile_decode.md
 (scripts/profile_decode.py): each layer's slices of the stacked weights and values are still
-copied once per step (XLA's CPU dots need contiguous operands), the keys are not.
+copied once per step (XLA's CPU dots need contiguous operands), the keys are not, nor the
+weights at batch 1 when they are stored output channels first
+(``weights_int8.transpose_params``, and int8 weights).
 """
 
 from __future__ import annotations

@@ -28,6 +28,15 @@ XLA:CPU converts both operands to int32 first (results/weights_int8.md).
 
 The tied embedding is quantized per vocabulary row: one scale serves both the lookup (a
 row) and the output head.
+
+Float weights can take the same ``[O, I]`` layout without quantization: ``transpose_params``
+(``jaxkv.load(..., out_first=True)``) stores every layer's matmul weight as an ``OIWeight``,
+and a float32 decode step at batch 1 then reads each layer's slice of the stacked weights
+in place in the same fused loop, instead of copying the slice out for a dot thunk: 1.6x
+faster at 1K and 4K context on the 2-core CPU. It is opt-in because with 2-64 rows XLA:CPU
+copies the slice anyway and YNNPACK's dot with the transposed weight is slower than with
+the canonical one (batch-8 decode about 0.8x); prefill is unchanged
+(results/profile_decode.md, "After out-first float weights").
 """
 
 from __future__ import annotations
@@ -57,23 +66,15 @@ CONTRACTED = {
 LEADING = ("layers",)  # axes kept in front, each entry its own matrix
 
 
-@struct.dataclass
-class Int8Weight:
-    """An int8 weight: ``qvalue`` [..., O, I] int8 and ``scale`` [..., O, 1], where ``...``
-    are the leading (layer) axes, O the output channels and I the contracted axes, each
-    flattened. The float weight it stands for has shape ``(..., *in_shape, *out_shape)``
-    (``in_first``) or ``(..., *out_shape, *in_shape)``."""
-
-    qvalue: jax.Array
-    scale: jax.Array
-    in_shape: tuple[int, ...] = struct.field(pytree_node=False)
-    out_shape: tuple[int, ...] = struct.field(pytree_node=False)
-    in_first: bool = struct.field(pytree_node=False)
+class _OILayout:
+    """Shape helpers of a weight stored ``[..., O, I]`` (``values``) that stands for a float
+    weight of shape ``(..., *in_shape, *out_shape)`` (``in_first``) or
+    ``(..., *out_shape, *in_shape)``."""
 
     @property
     def shape(self) -> tuple[int, ...]:
         """The float weight's shape."""
-        lead = self.qvalue.shape[:-2]
+        lead = self.values.shape[:-2]
         inner = (
             (self.in_shape, self.out_shape) if self.in_first else (self.out_shape, self.in_shape)
         )
@@ -82,15 +83,6 @@ class Int8Weight:
     @property
     def ndim(self) -> int:
         return len(self.shape)
-
-    @property
-    def dtype(self):
-        """The float dtype the weight stands for (its scales')."""
-        return self.scale.dtype
-
-    def matrix(self) -> jax.Array:
-        """The dequantized ``[..., O, I]`` matrices (``q * scale``)."""
-        return self.qvalue.astype(self.scale.dtype) * self.scale
 
     def to_float_layout(self, a_XOI: jax.Array, *, scales: bool = False) -> jax.Array:
         """``a`` [..., O, I] (``scales``: [..., O, 1], size 1 on every contracted axis) in
@@ -106,9 +98,59 @@ class Int8Weight:
         return a.transpose(perm)
 
 
-def quantize(w: jax.Array, name: str) -> Int8Weight:
-    """The ``Int8Weight`` of the params leaf ``name`` (e.g. ``"wq"``), scales per output
-    channel (and layer) in ``w``'s dtype."""
+@struct.dataclass
+class Int8Weight(_OILayout):
+    """An int8 weight: ``qvalue`` [..., O, I] int8 and ``scale`` [..., O, 1], where ``...``
+    are the leading (layer) axes, O the output channels and I the contracted axes, each
+    flattened. The float weight it stands for has shape ``(..., *in_shape, *out_shape)``
+    (``in_first``) or ``(..., *out_shape, *in_shape)``."""
+
+    qvalue: jax.Array
+    scale: jax.Array
+    in_shape: tuple[int, ...] = struct.field(pytree_node=False)
+    out_shape: tuple[int, ...] = struct.field(pytree_node=False)
+    in_first: bool = struct.field(pytree_node=False)
+
+    @property
+    def values(self) -> jax.Array:
+        return self.qvalue
+
+    @property
+    def dtype(self):
+        """The float dtype the weight stands for (its scales')."""
+        return self.scale.dtype
+
+    def matrix(self) -> jax.Array:
+        """The dequantized ``[..., O, I]`` matrices (``q * scale``)."""
+        return self.qvalue.astype(self.scale.dtype) * self.scale
+
+
+@struct.dataclass
+class OIWeight(_OILayout):
+    """A float weight stored output channels first: ``value`` [..., O, I], the layout of
+    ``Int8Weight`` without quantization (``transpose_params``)."""
+
+    value: jax.Array
+    in_shape: tuple[int, ...] = struct.field(pytree_node=False)
+    out_shape: tuple[int, ...] = struct.field(pytree_node=False)
+    in_first: bool = struct.field(pytree_node=False)
+
+    @property
+    def values(self) -> jax.Array:
+        return self.value
+
+    @property
+    def dtype(self):
+        return self.value.dtype
+
+    def matrix(self) -> jax.Array:
+        """The ``[..., O, I]`` matrices."""
+        return self.value
+
+
+def _layout(w: jax.Array, name: str):
+    """(kinds of ``w``'s axes: "lead" / "in" / "out", in_shape, out_shape, in_first) of the
+    params leaf ``name``."""
     axes = PARAM_AXES["layers"].get(name) or PARAM_AXES[name]
     if len(axes) != w.ndim:
         raise ValueError(f"{name}: shape {w.shape} does not match axes {axes}")
@@ -118,25 +160,45 @@ def quantize(w: jax.Array, name: str) -> Int8Weight:
     in_first = inner[0] == "in"
     if kinds[:n_lead] != ["lead"] * n_lead or inner != sorted(inner, reverse=not in_first):
         raise ValueError(f"{name}: axes {axes} are not (layers, inputs, outputs) or similar")
-    channelwise = tuple(i for i, k in enumerate(kinds) if k != "in")
-    q = qwix.quantize(w, jnp.int8, channelwise_axes=channelwise)
     dims = w.shape[n_lead:]
     in_shape = tuple(d for d, k in zip(dims, inner, strict=True) if k == "in")
     out_shape = tuple(d for d, k in zip(dims, inner, strict=True) if k == "out")
-    n_in = len(in_shape)
+    return kinds, in_shape, out_shape, in_first
 
-    def to_XOI(a, ins):
-        if in_first:  # [..., I..., O...] -> [..., O..., I...]
-            a = jnp.moveaxis(a, tuple(range(n_lead, n_lead + n_in)), tuple(range(-n_in, 0)))
-        return a.reshape(*w.shape[:n_lead], math.prod(out_shape), ins)
 
+def _to_XOI(a: jax.Array, lead: tuple[int, ...], in_shape, out_shape, in_first, ins: int):
+    """``a`` in a float weight's axis order as ``[*lead, O, ins]``."""
+    n_lead, n_in = len(lead), len(in_shape)
+    if in_first:  # [..., I..., O...] -> [..., O..., I...]
+        a = jnp.moveaxis(a, tuple(range(n_lead, n_lead + n_in)), tuple(range(-n_in, 0)))
+    return a.reshape(*lead, math.prod(out_shape), ins)
+
+
+def quantize(w: jax.Array, name: str) -> Int8Weight:
+    """The ``Int8Weight`` of the params leaf ``name`` (e.g. ``"wq"``), scales per output
+    channel (and layer) in ``w``'s dtype."""
+    w = dense(w)
+    kinds, in_shape, out_shape, in_first = _layout(w, name)
+    channelwise = tuple(i for i, k in enumerate(kinds) if k != "in")
+    q = qwix.quantize(w, jnp.int8, channelwise_axes=channelwise)
+    lead = w.shape[: kinds.count("lead")]
+    layout = (lead, in_shape, out_shape, in_first)
     return Int8Weight(
-        qvalue=to_XOI(q.qvalue, math.prod(in_shape)),
-        scale=to_XOI(q.scale, 1),
+        qvalue=_to_XOI(q.qvalue, *layout, math.prod(in_shape)),
+        scale=_to_XOI(q.scale, *layout, 1),
         in_shape=in_shape,
         out_shape=out_shape,
         in_first=in_first,
     )
+
+
+def transpose(w: jax.Array, name: str) -> OIWeight:
+    """The ``OIWeight`` of the float params leaf ``name``: the same values, stored
+    ``[..., O, I]``."""
+    kinds, in_shape, out_shape, in_first = _layout(w, name)
+    lead = w.shape[: kinds.count("lead")]
+    value = _to_XOI(w, lead, in_shape, out_shape, in_first, math.prod(in_shape))
+    return OIWeight(value=value, in_shape=in_shape, out_shape=out_shape, in_first=in_first)
 
 
 @jax.jit
@@ -149,40 +211,63 @@ def quantize_params(params: dict) -> dict:
     return out
 
 
+@jax.jit
+def transpose_params(params: dict) -> dict:
+    """``params`` with every layer's matmul weight and a separate head as ``OIWeight``
+    (output channels first), the layout a float32 decode step at batch 1 reads in place
+    (module docstring); the same values, so the logits differ only by summation order.
+    The tied embedding (already ``[V, D]``) and the norms are unchanged."""
+    out = dict(params)
+    if "lm_head" in params:
+        out["lm_head"] = transpose(params["lm_head"], "lm_head")
+    out["layers"] = {
+        k: transpose(v, k) if k in CONTRACTED else v for k, v in params["layers"].items()
+    }
+    return out
+
+
 def dequantize_params(params: dict) -> dict:
-    """The float params tree a quantized one stands for (float trees pass through)."""
-    return jax.tree.map(dense, params, is_leaf=is_quantized)
+    """The float params tree, in the canonical layout, that a quantized or transposed one
+    stands for (canonical float trees pass through)."""
+    return jax.tree.map(dense, params, is_leaf=is_out_first)
 
 
 def is_quantized(x) -> bool:
     return isinstance(x, Int8Weight)
 
 
+def is_out_first(x) -> bool:
+    """Whether ``x`` is a weight stored ``[..., O, I]`` (``Int8Weight`` or ``OIWeight``)."""
+    return isinstance(x, (Int8Weight, OIWeight))
+
+
 def dense(w) -> jax.Array:
-    """``w`` as a float array in its own layout: dequantized if it is int8, else itself."""
-    return w.to_float_layout(w.matrix()) if is_quantized(w) else w
+    """``w`` as a float array in its own layout: dequantized if it is int8, transposed back
+    if it is an ``OIWeight``, else itself."""
+    return w.to_float_layout(w.matrix()) if is_out_first(w) else w
 
 
 def einsum(subscripts: str, x: jax.Array, w, **kwargs) -> jax.Array:
-    """``jnp.einsum(subscripts, x, w)`` for a float or a quantized weight ``w``.
+    """``jnp.einsum(subscripts, x, w)`` for a float, transposed or quantized weight ``w``.
 
-    For a quantized weight whose contracted axes end ``x``'s subscripts, in the weight's
-    order (every projection of the decoder: ``"btd,dnh->btnh"``, ``"btnh,nhd->btd"``), the
-    product is ``[T, I] @ [O, I].T`` on free reshapes, which XLA:CPU fuses with the
-    dequantization (module docstring); any other einsum runs on ``dense(w)``.
+    For a weight stored ``[..., O, I]`` (``Int8Weight``, ``OIWeight``) whose contracted axes
+    end ``x``'s subscripts, in the weight's order (every projection of the decoder:
+    ``"btd,dnh->btnh"``, ``"btnh,nhd->btd"``), the product is ``[T, I] @ [O, I].T`` on free
+    reshapes, which XLA:CPU fuses with the read of the weight (and its dequantization) at
+    batch 1 (module docstring); any other einsum runs on ``dense(w)``.
     """
-    if not is_quantized(w):
+    if not is_out_first(w):
         return jnp.einsum(subscripts, x, w, **kwargs)
     ins, out = subscripts.split("->")
     x_sub, w_sub = ins.split(",")
-    n_lead, n_in = w.qvalue.ndim - 2, len(w.in_shape)
+    n_lead, n_in = w.values.ndim - 2, len(w.in_shape)
     w_in = w_sub[n_lead:][:n_in] if w.in_first else w_sub[len(w_sub) - n_in :]
     w_out = w_sub[n_lead:][n_in:] if w.in_first else w_sub[n_lead:][: len(w.out_shape)]
     batch = x_sub[: len(x_sub) - n_in]
     if n_lead or "." in subscripts or x_sub[len(batch) :] != w_in or out != batch + w_out:
         return jnp.einsum(subscripts, x, dense(w), **kwargs)
-    x_TI = x.reshape(-1, w.qvalue.shape[-1])
-    y_TO = _matmul_t(x_TI, w.qvalue, w.scale, **kwargs)
+    x_TI = x.reshape(-1, w.values.shape[-1])
+    y_TO = _matmul_oi(x_TI, w, **kwargs)
     return y_TO.reshape(*x.shape[: len(batch)], *w.out_shape)
 
 
@@ -208,21 +293,30 @@ def head_logits(h_XD: jax.Array, w, *, vocab_first: bool) -> jax.Array:
     A quantized head (stored ``[V, D]`` either way) is one fused dequantize-and-dot for
     decode; for more than ``HEAD_FUSED_ROWS`` rows it is applied ``HEAD_CHUNK`` vocabulary
     entries at a time (a ``lax.map``), since XLA then dequantizes before the dot, and the
-    whole head at once would be a fresh 113 MB float array (SmolLM2) per call.
+    whole head at once would be a fresh 113 MB float array (SmolLM2) per call. A
+    transposed float head (``OIWeight``, ``[V, D]``) goes through ``_matmul_t`` whole.
     """
-    if not is_quantized(w):
+    if not is_out_first(w):
         head_DV = w.T if vocab_first else w
         return jnp.einsum("...d,dv->...v", h_XD, head_DV, preferred_element_type=jnp.float32)
-    V = w.qvalue.shape[0]
-    n = _n_chunks(V)
+    V = w.values.shape[0]
+    n = _n_chunks(V) if is_quantized(w) else 1
     h_RD = h_XD.reshape(-1, h_XD.shape[-1])
+    f32 = dict(preferred_element_type=jnp.float32)
     if h_RD.shape[0] <= HEAD_FUSED_ROWS or n == 1:
-        logits_RV = _matmul_t(h_RD, w.qvalue, w.scale, preferred_element_type=jnp.float32)
+        logits_RV = _matmul_oi(h_RD, w, **f32)
         return logits_RV.reshape(*h_XD.shape[:-1], V)
     chunks = (w.qvalue.reshape(n, V // n, -1), w.scale.reshape(n, V // n, 1))
-    f32 = dict(preferred_element_type=jnp.float32)
     out_nRv = jax.lax.map(lambda c: _matmul_t(h_RD, *c, **f32), chunks)
     return jnp.moveaxis(out_nRv, 0, 1).reshape(*h_XD.shape[:-1], V)
+
+
+def _matmul_oi(x_TI, w, **kwargs):
+    """``x @ w.matrix().T`` for a weight ``w`` stored ``[O, I]`` (``Int8Weight`` or
+    ``OIWeight``)."""
+    if is_quantized(w):
+        return _matmul_t(x_TI, w.qvalue, w.scale, **kwargs)
+    return _matmul_t_float(x_TI, w.value, **kwargs)
 
 
 def _matmul_t(x_TI, q_OI, scale_O1, **kwargs):
@@ -247,6 +341,25 @@ def _matmul_t(x_TI, q_OI, scale_O1, **kwargs):
     return (y_OT * scale_O1).T
 
 
+def _matmul_t_float(x_TI, w_OI, **kwargs):
+    """``x @ w.T`` for a float ``[O, I]`` weight.
+
+    One row on CPU: XLA:CPU fuses it into one loop that reads the layer's slice of the
+    stacked weights in place (along its contiguous rows) instead of copying the slice for a
+    dot thunk, with ``x`` materialized first (``_materialized``). Many rows (prefill): the
+    weight is copied back into the canonical ``[I, O]`` layout first (``.copy()`` keeps XLA
+    from folding the transpose into the dot), once per call and layer; the dot with the
+    transposed operand was 0.88x at 512 rows, the copy and canonical dot 1.0x (30 layers'
+    projections, in turns). A few rows: ``x @ w.T`` (both forms ~0.65x the canonical layout).
+    """
+    T = x_TI.shape[0]
+    if T == 1 and jax.default_backend() == "cpu":
+        x_TI = _materialized(x_TI)
+    if T > FEW_ROWS:
+        return jnp.matmul(x_TI, jnp.swapaxes(w_OI, 0, 1).copy(), **kwargs)
+    return jnp.matmul(x_TI, w_OI.T, **kwargs)
+
+
 FEW_ROWS = 64  # up to this many rows, ``_matmul_t``'s few-row form
 HEAD_CHUNK = 4096
 HEAD_FUSED_ROWS = 1  # up to this many rows, the int8 head is one fused loop
@@ -263,6 +376,8 @@ def _n_chunks(V: int) -> int:
 
 def take_rows(w, idx) -> jax.Array:
     """``w[idx]`` (an embedding lookup), dequantized when ``w`` is int8."""
+    if isinstance(w, OIWeight):
+        w = dense(w)
     if not is_quantized(w):
         return w[idx]
     if w.in_first or w.qvalue.ndim != 2:
