@@ -252,6 +252,28 @@ def test_shadow_choice_follows_the_best_shadow(tmp_path):
     assert cache.resident[[0, 1]].all() and pol.xs.evictions_E[1] > 0
 
 
+def _lfu_guard(tr, **settings):
+    """A zero-slack guard over mooncake with lfu as the learner, in a 2-block pool that
+    records its evictions: (policy, cache, evicted)."""
+    pol = ExpertKVLearn(
+        tr,
+        COST,
+        pool_blocks=2,
+        experts=("lfu",),
+        baselines=("mooncake",),
+        choice="guard",
+        slack=0.0,
+        predictor="logistic",
+        **settings,
+    )
+    evicted: list[int] = []
+    cache = PrefixCache(
+        2, n_blocks=tr.n_blocks, on_evict=lambda b: (evicted.append(b), pol.on_evict(b))
+    )
+    pol.attach(cache)
+    return pol, cache, evicted
+
+
 def test_guard_backs_off_to_the_baseline_by_hand(monkeypatch):
     """Capacity 2, guard over (lfu, lru), slack 0: lfu evicts while the real pool has saved at
     least what the lru shadow saved. Requests A A B C B C (one block each, saving s_0 per hit).
@@ -264,21 +286,7 @@ def test_guard_backs_off_to_the_baseline_by_hand(monkeypatch):
     at 5."""
     A, B, C = 0, 1, 2
     tr = _trace([[A], [A], [B], [C], [B], [C]])
-    pol = ExpertKVLearn(
-        tr,
-        COST,
-        pool_blocks=2,
-        experts=("lfu",),
-        baselines=("mooncake",),
-        choice="guard",
-        slack=0.0,
-        predictor="logistic",
-    )
-    evicted: list[int] = []
-    cache = PrefixCache(
-        2, n_blocks=tr.n_blocks, on_evict=lambda b: (evicted.append(b), pol.on_evict(b))
-    )
-    pol.attach(cache)
+    pol, cache, evicted = _lfu_guard(tr)
     s0 = pol.costs.save_ms[0]
     trail = [
         (pol.xs.saved_real / s0, pol.xs.saved_base_B[0] / s0, pol.xs.leader)
@@ -310,24 +318,7 @@ def test_guard_window_spends_only_a_recent_lead_by_hand():
     tr = _trace([[A], [A], [B], [C], [A], [D], [C], [D], [C]])
     trails = {}
     for window in (0.0, 1.0):
-        pol = ExpertKVLearn(
-            tr,
-            COST,
-            pool_blocks=2,
-            experts=("lfu",),
-            baselines=("mooncake",),
-            choice="guard",
-            slack=0.0,
-            window=window,
-            predictor="logistic",
-        )
-        evicted: list[int] = []
-        cache = PrefixCache(
-            2,
-            n_blocks=tr.n_blocks,
-            on_evict=lambda b, pol=pol, ev=evicted: (ev.append(b), pol.on_evict(b)),
-        )
-        pol.attach(cache)
+        pol, cache, evicted = _lfu_guard(tr, window=window)
         s0 = pol.costs.save_ms[0]
         trail = [(pol.xs.saved_real / s0, pol.xs.leader) for _ in _replay(pol, tr, cache)]
         trails[window] = trail, evicted, pol.xs.saved_base_B[0] / s0
