@@ -80,7 +80,8 @@ def kvzip(*, n_sink: int = N_SINK) -> Policy:
 
     def score(state: Reconstruction, cache, **_):
         S = state.scores.shape[-1]
-        prompt = jnp.where(cache.pos < n_sink, TIER + state.at(cache.pos), state.at(cache.pos))
+        s = state.at(cache.pos)
+        prompt = jnp.where(cache.pos < n_sink, TIER + s, s)
         return jnp.where(cache.pos >= S, 2 * TIER, prompt)  # later: generated after the eviction
 
     return Policy(
