@@ -334,3 +334,38 @@ def test_a_ranker_reading_kvzips_scores_runs_only_where_they_exist(tmp_path):
     assert eval_cli.main([*gen, "--protocol", "prefill"]) == 2
     assert not (tmp_path / "decode").exists() and not (tmp_path / "ret").exists()
     assert train_cli.main([*argv[:-1], str(tmp_path / "x"), "--points", "1,x"]) == 2
+
+
+def test_a_fresh_residual_ranker_scores_exactly_its_base_feature():
+    cache = _prefilled()
+    names = ("log_attn", "log_attn_cum", "depth")
+    feats = ranker_lib.head_features(cache, names=names)
+    params = ranker_lib.init_params(key=jax.random.key(3), hidden=8, n_features=3, base=1)
+    params = {**params, "mean": jnp.asarray([0.5, -1.0, 0.2]), "scale": jnp.full((3,), 2.0)}
+    s = ranker_lib.scores_from_features(params, feats, cache.valid)
+    want = jnp.where(cache.valid, feats[..., 1], -jnp.inf)
+    np.testing.assert_array_equal(np.asarray(s), np.asarray(want))
+    with pytest.raises(ValueError, match="base"):
+        ranker_lib.init_params(key=jax.random.key(3), n_features=3, base=3)
+
+
+def test_a_residual_ranker_trains_saves_and_adds_its_raw_base(tmp_path):
+    out = tmp_path / "rk"
+    argv = ["ranker", "--model", "tiny", "--windows-per-domain", "2", "--steps", "3",
+            "--hidden", "8", "--features", "log_attn,log_attn_cum,depth", "--base",
+            "log_attn_cum", "--out", str(out)]  # fmt: skip
+    assert train_cli.main(argv) == 0
+    params, meta = ranker_lib.load_ranker_params(out)
+    assert meta["base"] == "log_attn_cum" and meta["config"]["base"] == "log_attn_cum"
+    np.testing.assert_array_equal(np.asarray(params["base"]), [0, 1, 0])
+    assert np.any(np.asarray(params["mlp"]["Dense_2"]["kernel"]) != 0)  # it trained
+    policy = get_policy(f"ranker:{out}")
+    cache = _prefilled()
+    s = policy.score(policy.init(), cache, budget_B=jnp.full((2,), 8))
+    feats = ranker_lib.head_features(cache, names=tuple(meta["features"]))
+    plain = {k: v for k, v in params.items() if k != "base"}
+    mlp = ranker_lib.scores_from_features(plain, feats, cache.valid)
+    want = jnp.where(cache.valid, mlp + feats[..., 1], -jnp.inf)
+    np.testing.assert_allclose(np.asarray(s), np.asarray(want), rtol=1e-6)
+    bad = [*argv[:-3], "log_recon", "--out", str(tmp_path / "x")]
+    assert train_cli.main(bad) == 2 and not (tmp_path / "x").exists()

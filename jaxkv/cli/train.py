@@ -105,6 +105,12 @@ def ranker_parser() -> argparse.ArgumentParser:
         "FEATURES; default: all but log_wo_vnorm, which reads the model's W_o)",
     )
     ap.add_argument(
+        "--base",
+        default=None,
+        help="a residual ranker: score = this feature (one of --features, raw) + the MLP, "
+        "whose output layer starts at zero (e.g. log_recon: start from kvzip's score)",
+    )
+    ap.add_argument(
         "--pool",
         type=flags.positive_int,
         default=d.pool,
@@ -159,6 +165,7 @@ def ranker_main(argv: list[str]) -> int:
             fit_pruned=not args.no_fit_pruned,
             features=tuple(x.strip() for x in args.features.split(",") if x.strip()),
             pool=args.pool,
+            base=args.base,
             rows_per_step=args.rows_per_step,
             points=parse_points(args.points),
         )

@@ -15,6 +15,9 @@ ranking nor the ranking of an average over rows; the pooled granularities (``ada
 ``global``), which compare raw scores across rows, need a ranker trained with ``pool`` > 1
 (its ``config.pool`` in the meta), whose scores share one constant across rows.
 
+A *residual* ranker (``base`` in its meta) adds one raw feature to the MLP's output, e.g.
+``log_recon``: it starts from kvzip's ranking and learns corrections to it.
+
 A ranker checkpoint is a ``jaxkv.checkpoint`` directory whose meta file is ``ranker.json``.
 """
 
@@ -149,18 +152,34 @@ class RankMLP(nn.Module):
 
 
 def init_params(
-    *, key: jax.Array, hidden: int = HIDDEN, n_features: int = len(DEFAULT_FEATURES)
+    *,
+    key: jax.Array,
+    hidden: int = HIDDEN,
+    n_features: int = len(DEFAULT_FEATURES),
+    base: int | None = None,
 ) -> dict:
-    """Fresh parameters: the MLP's and the feature standardization (mean 0, scale 1)."""
+    """Fresh parameters: the MLP's and the feature standardization (mean 0, scale 1). With
+    ``base`` (a feature's column) the ranker is residual: its score is that raw feature plus
+    the MLP's output (``scores_from_features``), and the output layer starts at zero, so a
+    fresh residual ranker ranks exactly by the base feature."""
     mlp = RankMLP(hidden).init(key, jnp.zeros((1, n_features)))["params"]
-    return {"mlp": mlp, "mean": jnp.zeros((n_features,)), "scale": jnp.ones((n_features,))}
+    params = {"mlp": mlp, "mean": jnp.zeros((n_features,)), "scale": jnp.ones((n_features,))}
+    if base is None:
+        return params
+    if not 0 <= base < n_features:
+        raise ValueError(f"base must be a feature column in [0, {n_features}), got {base}")
+    out = jax.tree.map(jnp.zeros_like, mlp["Dense_2"])
+    return {**params, "mlp": {**mlp, "Dense_2": out}, "base": jax.nn.one_hot(base, n_features)}
 
 
 def scores_from_features(params: dict, feats: jax.Array, valid: jax.Array) -> jax.Array:
-    """Scores [...] of features [..., F]; invalid slots get -inf."""
+    """Scores [...] of features [..., F]; invalid slots get -inf. A residual ranker (a
+    ``base`` in its params: a fixed one-hot over the columns) adds its base feature, raw."""
     hidden = params["mlp"]["Dense_0"]["kernel"].shape[-1]
     x = (feats - params["mean"]) / params["scale"]
     s = RankMLP(hidden).apply({"params": params["mlp"]}, x)
+    if "base" in params:
+        s = s + feats @ params["base"]
     return jnp.where(valid, s, -jnp.inf)
 
 
@@ -234,9 +253,12 @@ def save_ranker(
     *,
     features: tuple[str, ...] = DEFAULT_FEATURES,
 ) -> Path:
-    """Writes a ranker checkpoint over ``features`` (atomically replacing one at ``path``)."""
+    """Writes a ranker checkpoint over ``features`` (atomically replacing one at ``path``); a
+    residual ranker's base feature is named in the meta (``base``)."""
     hidden = params["mlp"]["Dense_0"]["kernel"].shape[-1]
     meta = {"kind": KIND, "hidden": hidden, "features": list(features), **meta}
+    if "base" in params:
+        meta["base"] = features[int(jnp.argmax(params["base"]))]
     return checkpoint_lib.save(path, params, meta, meta_name=META)
 
 
@@ -259,8 +281,16 @@ def load_ranker_params(path: str | Path) -> tuple[dict, dict]:
             raise checkpoint_lib.CheckpointError(
                 path, f"trained on features {features}, this jaxkv has {FEATURES}"
             )
+        base = meta.get("base")
+        if base is not None and base not in features:
+            raise checkpoint_lib.CheckpointError(path, f"base {base!r} is not one of {features}")
         abstract = jax.eval_shape(
-            lambda: init_params(key=jax.random.key(0), hidden=hidden, n_features=len(features))
+            lambda: init_params(
+                key=jax.random.key(0),
+                hidden=hidden,
+                n_features=len(features),
+                base=None if base is None else features.index(base),
+            )
         )
         return checkpoint_lib.restore(path, abstract, meta_name=META)
     except checkpoint_lib.CheckpointError as e:

@@ -38,6 +38,10 @@ scores are the log target up to one constant shared by all rows, and a pooled gr
 rows as the oracle ranks by future attention. ``pool`` = L·K mimics ``global``'s pool of one
 sequence.
 
+With ``base`` (a feature name) the ranker is residual: score = that raw feature + the MLP, whose
+output layer starts at zero (``ranker.init_params``), so training starts from ranking by the
+base feature (``log_recon``: kvzip's own score) and moves away from it only where the loss says.
+
 Windows are split once per domain: the first ``1 - val_fraction`` of each domain's text trains,
 the rest validates (reported as loss and as the share of the oracle's kept mass that the
 ranker's top-B keeps, beside H2O's accumulated attention on the same rows: ``evaluate_rows``).
@@ -98,6 +102,7 @@ class RankerConfig:
     target: str = "attention"  # or "value" / "critical": times ||v|| / ||W_o v||_1
     features: tuple[str, ...] = ranker_lib.DEFAULT_FEATURES  # the columns the ranker reads
     pool: int = 1  # rows per ListNet softmax (module docstring)
+    base: str | None = None  # a residual ranker's base feature, one of ``features``
 
     def __post_init__(self):
         if self.pool < 1 or self.rows_per_step % self.pool:
@@ -113,6 +118,8 @@ class RankerConfig:
         unknown = set(self.features) - set(ranker_lib.FEATURES)
         if not self.features or unknown:
             raise ValueError(f"features must be some of {ranker_lib.FEATURES}, got {unknown}")
+        if self.base is not None and self.base not in self.features:
+            raise ValueError(f"base must be one of the features, got {self.base!r}")
         if self.reconstructs and self.pruned_ratios:
             raise ValueError(
                 "the reconstruction features (kvzip's scores of the prompt) exist only in the "
@@ -315,7 +322,8 @@ def fit(sets: list[RowSet], cfg: RankerConfig, *, log=None) -> dict:
     """Trains the ranker on ``sets`` with Adam; returns its params."""
     key = jax.random.key(cfg.seed)
     cols = cfg.columns
-    params = ranker_lib.init_params(key=key, hidden=cfg.hidden, n_features=len(cols))
+    base = None if cfg.base is None else cfg.features.index(cfg.base)
+    params = ranker_lib.init_params(key=key, hidden=cfg.hidden, n_features=len(cols), base=base)
     mean, scale = standardization(sets, cols)
     params = {**params, "mean": jnp.asarray(mean), "scale": jnp.asarray(scale)}
     opt = optax.adam(optax.cosine_decay_schedule(cfg.lr, cfg.steps))
