@@ -266,6 +266,7 @@ def test_a_ranker_on_some_features_trains_saves_and_scores(tmp_path):
         ("ranker_smollm2_cpu", 1),
         ("ranker_global_smollm2_cpu", 90),
         ("ranker_kvzip_smollm2_cpu", 90),
+        ("ranker_kvzipres_smollm2_cpu", 90),
     ],
 )
 def test_shipped_rankers_load_and_never_read_the_held_out_domain(name, pool):
@@ -276,7 +277,8 @@ def test_shipped_rankers_load_and_never_read_the_held_out_domain(name, pool):
     assert policy.spec[0] == ("path", name)
     reads_kvzip = set(ranker_lib.RECON_FEATURES) <= set(meta["features"])
     assert policy.window_input == ("reconstruction" if reads_kvzip else None)
-    assert reads_kvzip == (name == "ranker_kvzip_smollm2_cpu")
+    assert reads_kvzip == name.startswith("ranker_kvzip")
+    assert meta.get("base") == ("log_recon" if name == "ranker_kvzipres_smollm2_cpu" else None)
 
 
 def test_reconstruction_features_are_kvzips_scores_at_each_slot():
