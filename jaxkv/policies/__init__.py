@@ -6,7 +6,9 @@
 future-attention upper bound, fidelity only: ``jaxkv.policies.oracle``), ``kvzip`` (KVzip's
 context-reconstruction scores, fidelity's prefill protocol only: ``jaxkv.policies.kvzip``),
 ``critical:<policy>`` (CriticalKV over any other policy: ``jaxkv.policies.critical``),
-``ranker:<checkpoint>`` (the supervised per-head ranker: ``jaxkv.policies.ranker``), or
+``ranker:<checkpoint>`` (the supervised per-head ranker: ``jaxkv.policies.ranker``),
+``rerank:<policy>`` (kvzip's allocation across rows, the policy's order within each:
+``jaxkv.policies.rerank``), or
 ``learned:<checkpoint>`` (a folder written by ``python -m jaxkv.train distillcache``, or the
 name of a checkpoint shipped in ``jaxkv/checkpoints/``, e.g. ``learned:distillcache_smollm2_cpu``).
 
@@ -20,12 +22,22 @@ import functools
 from collections.abc import Callable
 
 from jaxkv.model import weights_int8
-from jaxkv.policies import critical, expected, heuristics, kvzip, learned, oracle, ranker
+from jaxkv.policies import (
+    critical,
+    expected,
+    heuristics,
+    kvzip,
+    learned,
+    oracle,
+    ranker,
+    rerank,
+)
 from jaxkv.policies.base import GRANULARITIES, TIER, Policy
 
 LEARNED_PREFIX = "learned:"
 CRITICAL_PREFIX = critical.PREFIX
 RANKER_PREFIX = ranker.PREFIX
+RERANK_PREFIX = rerank.PREFIX
 
 _REGISTRY: dict[str, Callable[..., Policy]] = {
     "full": heuristics.full,
@@ -49,6 +61,7 @@ def policy_names() -> list[str]:
         CRITICAL_PREFIX + "<policy>",
         LEARNED_PREFIX + "<checkpoint>",
         RANKER_PREFIX + "<checkpoint>",
+        RERANK_PREFIX + "<policy>",
     ]
 
 
@@ -71,6 +84,8 @@ def get_policy(name: str, **settings) -> Policy:
         return learned.load_learned(name.removeprefix(LEARNED_PREFIX), **settings)
     if name.startswith(RANKER_PREFIX):
         return ranker.load_ranker(name.removeprefix(RANKER_PREFIX), **settings)
+    if name.startswith(RERANK_PREFIX):
+        return rerank.rerank(get_policy(name.removeprefix(RERANK_PREFIX), **settings))
     if name not in _REGISTRY:
         raise ValueError(f"unknown policy {name!r}; choose one of {policy_names()}")
     return _REGISTRY[name](**settings)
@@ -98,6 +113,7 @@ __all__ = [
     "CRITICAL_PREFIX",
     "GRANULARITIES",
     "RANKER_PREFIX",
+    "RERANK_PREFIX",
     "TIER",
     "Policy",
     "get_policy",

@@ -1,0 +1,83 @@
+"""``rerank:<policy>``: kvzip's allocation across rows, another policy's order within each row.
+
+Under a pooled granularity (``adaptive``, ``global``) a policy decides two things at once: how
+many tokens each (layer, KV head) row keeps, and which. kvzip's reconstruction scores
+(``jaxkv.policies.kvzip``) are the strongest allocator measured here (uncapped, on held-out
+BBH, within 2× of the oracle), while a ranker trained on future attention may order tokens
+within a row better but allocates across rows worse (results/ranker_kvzip_residual_selection.md).
+This combinator keeps kvzip's allocation and takes the inner policy's order:
+
+    in every row, the slot the inner policy ranks k-th gets kvzip's k-th highest score.
+
+Each row keeps its multiset of kvzip scores, so any selection that compares scores across rows
+(a global top-B, with or without a per-row floor and cap) keeps exactly as many tokens per row
+as kvzip, and within a row the inner policy's top ones (tested). Slots kvzip protects (its
+sinks, scored in ``TIER``) stay protected: they rank first under the inner order too. At
+``head`` granularity it keeps the inner policy's top B of each row, the sinks first.
+
+Like kvzip it compresses once (``prefill`` protocol) and only the fidelity evaluation computes
+its state (``window_input="reconstruction"``); the inner policy may read the reconstruction
+too (a ranker with kvzip's features). Inner policies that read the model's weights
+(``critical:``, a ranker on ``log_wo_vnorm``) are not supported.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jaxkv.policies import kvzip as kvzip_lib
+from jaxkv.policies.base import TIER, Policy
+
+PREFIX = "rerank:"
+
+
+def transplant(alloc_LBKC: jnp.ndarray, order_LBKC: jnp.ndarray, valid_LBKC) -> jnp.ndarray:
+    """Scores whose every row holds ``alloc``'s values in ``order``'s ranking: the slot with
+    the k-th highest ``order`` score gets the k-th highest ``alloc`` score of its row. Slots
+    ``alloc`` puts in the protected tier (>= TIER) rank first and keep their own scores;
+    invalid slots get -inf."""
+    alloc = jnp.where(valid_LBKC, alloc_LBKC.astype(jnp.float32), -jnp.inf)
+    protected = alloc >= TIER
+    within = jnp.where(protected, alloc, order_LBKC.astype(jnp.float32))
+    within = jnp.where(valid_LBKC, within, -jnp.inf)
+    by_within = jnp.argsort(-within, axis=-1, stable=True)
+    tier = jnp.take_along_axis(protected, by_within, axis=-1)
+    slots = jnp.take_along_axis(by_within, jnp.argsort(~tier, axis=-1, stable=True), axis=-1)
+    rank = jnp.argsort(slots, axis=-1)  # 0 = best: protected first, then by ``order``
+    values = -jnp.sort(-alloc, axis=-1)  # each row's alloc scores, descending
+    return jnp.take_along_axis(values, rank, axis=-1)
+
+
+def rerank(inner: Policy) -> Policy:
+    """kvzip's per-row allocation with ``inner``'s order within each row (module docstring)."""
+    if not inner.evicts or inner.window_input not in (None, "reconstruction"):
+        raise ValueError(f"rerank: needs an evicting cache-scoring policy, got {inner.name!r}")
+    if inner.name == kvzip_lib.NAME or inner.name.startswith(("critical:", PREFIX)):
+        raise ValueError(f"rerank: cannot wrap {inner.name!r}")
+    if "prefill" not in inner.protocols:
+        raise ValueError(f"rerank: {inner.name!r} does not run in the prefill protocol")
+    alloc = kvzip_lib.kvzip()
+    reads_recon = inner.window_input == "reconstruction"
+
+    def init(reconstruction=None):
+        state = alloc.init(reconstruction=reconstruction)  # raises, naming the fidelity evaluation
+        return state, inner.init(reconstruction=reconstruction) if reads_recon else inner.init()
+
+    def score(state, cache, **kw):
+        alloc_state, inner_state = state
+        order = inner.score(inner_state, cache, **kw)
+        if order.ndim == 2:  # one score per token
+            order = order[None, :, None, :]
+        order = jnp.broadcast_to(order, cache.pos.shape)
+        return transplant(alloc.score(alloc_state, cache, **kw), order, cache.valid)
+
+    return Policy(
+        PREFIX + inner.name,
+        score=score,
+        init=init,
+        protocols=("prefill",),
+        window=inner.window,
+        stats=inner.stats,
+        window_input="reconstruction",
+        spec=(("inner", (inner.name, inner.spec)),),
+    )

@@ -1,0 +1,83 @@
+"""``rerank:<policy>``: the transplant against a brute-force reference, kvzip's per-row counts
+with the inner policy's tokens through the real eviction, and where it cannot run."""
+
+import jax
+import numpy as np
+import pytest
+
+from jaxkv import eviction, kvcache
+from jaxkv.cli import eval as eval_lib
+from jaxkv.config import ModelConfig
+from jaxkv.evals import fidelity
+from jaxkv.evals.runner import ByteTokenizer, EvalModel
+from jaxkv.eviction import Compression
+from jaxkv.model import decoder
+from jaxkv.model.params import init_params
+from jaxkv.policies import TIER, get_policy
+from jaxkv.policies import rerank as rerank_lib
+
+CFG = ModelConfig.tiny()
+PARAMS = init_params(CFG, key=jax.random.key(0), scale=0.2)
+MODEL = EvalModel("tiny", CFG, PARAMS, ByteTokenizer(), stop_tokens=(0,), pad_id=0)
+PROMPT = 12
+WINDOWS = np.asarray(jax.random.randint(jax.random.key(1), (2, 20), 1, 256), np.int32)
+
+
+def test_transplant_against_brute_force():
+    rng = np.random.default_rng(0)
+    alloc = rng.random((2, 3, 2, 9))
+    alloc[..., :2] += TIER  # protected slots
+    order = rng.normal(size=alloc.shape)
+    valid = rng.random(alloc.shape) > 0.2
+    valid[..., :2] = True
+    got = np.asarray(rerank_lib.transplant(alloc, order, valid))
+    for idx in np.ndindex(alloc.shape[:-1]):
+        a, o, v = alloc[idx], order[idx], valid[idx]
+        want = np.full(a.shape, -np.inf)
+        slots = sorted(
+            np.flatnonzero(v), key=lambda c: (-a[c], 0) if a[c] >= TIER else (-TIER, -o[c])
+        )
+        for c, value in zip(slots, sorted(a[v], reverse=True), strict=True):
+            want[c] = value
+        np.testing.assert_allclose(got[idx], want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("floor,cap", [(0.0, 8.0), (0.2, 2.0)])
+def test_rows_keep_kvzips_counts_and_the_inner_policys_tokens(floor, cap):
+    policy = get_policy("rerank:h2o")
+    state = fidelity.window_state(MODEL, policy, WINDOWS, PROMPT)
+    kvzip_state = fidelity.window_state(MODEL, get_policy("kvzip"), WINDOWS, PROMPT)
+    cache = kvcache.init_cache(CFG, batch_size=2, capacity=PROMPT, stats=policy.stats)
+    _, cache = decoder.prefill(PARAMS, WINDOWS[:, :PROMPT], cache, config=CFG)
+    pooled = {"granularity": "global", "protocol": "prefill", "head_floor": floor, "head_cap": cap}
+    comp = lambda name: Compression.make(name, budget=5, **pooled)  # noqa: E731
+    ours = eviction.evict(cache, comp("rerank:h2o"), state, key=None)
+    theirs = eviction.evict(cache, comp("kvzip"), kvzip_state, key=None)
+    inner = get_policy("h2o")  # its own scores: accumulated attention, its recent window
+    budget_B = comp("h2o").budget_for(cache.length)
+    h2o = np.asarray(inner.score(inner.init(), cache, budget_B=budget_B, key=None))
+    counts = set()
+    for idx in np.ndindex(cache.pos.shape[:-1]):
+        got = {int(p) for p in ours.pos[idx] if p >= 0}
+        n = int(np.sum(np.asarray(theirs.pos[idx]) >= 0))
+        assert len(got) == n
+        sinks = [p for p in range(4) if p < PROMPT]  # kvzip's sinks, first in every row
+        rest = [int(p) for p in np.argsort(-h2o[idx][:PROMPT], stable=True) if p not in sinks]
+        assert got == set((sinks + rest)[:n])
+        counts.add(n)
+    assert len(counts) > 1  # the allocation is uneven: the test sees kvzip's, not a uniform one
+
+
+def test_rerank_runs_where_kvzip_runs_and_refuses_the_rest(tmp_path):
+    assert get_policy("rerank:h2o").window_input == "reconstruction"
+    with pytest.raises(ValueError, match="only the fidelity evaluation"):
+        get_policy("rerank:h2o").init()
+    for bad in ("rerank:kvzip", "rerank:oracle", "rerank:full", "rerank:critical:h2o"):
+        with pytest.raises(ValueError, match="rerank:"):
+            get_policy(bad)
+    common = ["--model", "tiny", "--policies", "full,rerank:h2o", "--limit", "1", "--window",
+              "48", "--prompt-len", "32", "--ratios", "0.5,1"]  # fmt: skip
+    prefill = [*common, "--protocol", "prefill", "--granularity", "global"]
+    assert eval_lib.main(["fidelity", *prefill, "--out", str(tmp_path / "ok")]) == 0
+    assert eval_lib.main(["fidelity", *common, "--out", str(tmp_path / "decode")]) == 2
+    assert not (tmp_path / "decode").exists()
