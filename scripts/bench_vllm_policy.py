@@ -7,11 +7,13 @@
                shipped trace and on generated workloads (chat, agent, rag, mm_session)
                -> vllm_crosscheck.md
 --replay       issue 15's five protocol workloads (chat, agent, rag, mmsession, the shipped
-               trace; each held out by its fold, every fold chose KVLearn's ``gd``), as the
-               protocol deploys them, at pools of 10 / 25 / 50 % of distinct blocks: hit rate,
-               bytes moved, TTFT and the saving over no cache of all five policies through
-               vLLM's manager, KVLearn (``PROTOCOL_SETTING``, no tuning) against vLLM's arc
-               and lru -> vllm_replay.md, vllm_replay.json
+               trace; each held out by its fold), as the protocol deploys them, at pools of
+               10 / 25 / 50 % of distinct blocks: hit rate, hit saving, bytes moved, TTFT and
+               the saving over no cache of every policy through vLLM's manager, KVLearn
+               (``KVLearnGuardCachePolicy``, its setting fixed by rule: ``RULE``; no tuning)
+               against vLLM's arc and lru -> vllm_replay.md, vllm_replay.json
+               --fresh-seed N: instead, the four generated workloads with seed N (a
+               confirmation on data nobody has looked at) -> vllm_replay_seedN.{md,json}
 --overhead     per-call latency at 100k resident blocks, side by side -> vllm_overhead.md
 --e2e          vLLM's own engine on CPU with the OffloadingConnector and KVLearnCachePolicy,
                on a tiny random-weight Llama (no SmolLM2 in HF format is on the machine; the
@@ -481,7 +483,15 @@ def _request(policy, keys, hit: int, rid: int, *, n_evict: int) -> list[int]:
     return [t1 - t0, t2 - t1, t3 - t2, t4 - t3]
 
 
-OVERHEAD_POLICIES = ("lru", "arc", "JaxkvLRU", "JaxkvARC", "KVLearnCachePolicy", PER_REQUEST)
+OVERHEAD_POLICIES = (
+    "lru",
+    "arc",
+    "JaxkvLRU",
+    "JaxkvARC",
+    "KVLearnCachePolicy",
+    PER_REQUEST,
+    "KVLearnGuardCachePolicy",
+)
 
 
 def _fill(pol, resident: int, m: int) -> list[list]:

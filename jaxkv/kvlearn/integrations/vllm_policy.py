@@ -8,7 +8,7 @@ here are such policies; vLLM loads them by name and module path, with no change 
         "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
         "kv_connector_extra_config": {
             "cpu_bytes_to_use": 8 << 30,
-            "eviction_policy": "KVLearnCachePolicy",     # or JaxkvLRU, JaxkvARC
+            "eviction_policy": "KVLearnGuardCachePolicy",  # or any class below
             "cache_policy_module_path": "jaxkv.kvlearn.integrations.vllm_policy",
         },
     }
@@ -18,11 +18,21 @@ here are such policies; vLLM loads them by name and module path, with no change 
     JaxkvARC            jaxkv's block ``arc`` (``serving.policies.arc.ARC``): its ``on_access``,
                         ``victim``, ``on_evict`` and ``on_insert`` decide; the adapter only
                         steps over chunks vLLM may not evict (pinned or protected).
+    JaxkvCostAware      the protocol's ``cost_aware`` and ``gdsf`` in vLLM's flat key space
+    JaxkvGDSF           (values from the chunk's depth and uses, a head priced at least as its
+                        tail: see the classes).
     KVLearnCachePolicy  KVLearn at block level (``serving.policies.kvlearn.BlockKVLearn``, the
                         very object the serving simulator runs): the core's PRP MLP on 16 block
                         features, GreedyDual CARS retention (L + P̂·s_j); by default the
                         protocol's ``gd`` setting (``PROTOCOL_SETTING``: no write-cost
                         admission; with it, as an eviction order, see the class).
+    KVLearnGuardCachePolicy
+                        KVLearn's vLLM policy: the learner (``KVLearnCachePolicy``) and the
+                        baselines (lru, arc, cost_aware, gdsf) each in a shadow pool of the same
+                        capacity fed vLLM's calls; the real pool is the best baseline's (call
+                        for call while it holds what that shadow holds) and follows the learner
+                        only while the learner's shadow saves strictly more (issue 15's guard;
+                        design, setting and its rule in the class docstring).
 
 What vLLM asks of a policy (its ``CachePolicy`` docstrings) and how these keep it: ``touch``
 receives keys head to tail and the head ends most recent (vLLM's ``lru`` and ``arc`` both walk
