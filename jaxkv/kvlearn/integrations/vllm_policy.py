@@ -71,7 +71,8 @@ from jaxkv.kvlearn.serving.policies.lru import LRUPool
 from jaxkv.kvlearn.serving.predictors import DeferredPRP, HostPRP
 from jaxkv.kvlearn.traces import BLOCK_TOKENS, MooncakeTrace
 
-_Entry = tuple  # (priority tuple, stamp, key): one heap entry; ``stamp`` makes it unique
+_Entry = tuple  # (*priority, stamp, key): one heap entry, flat (cheaper to compare than a
+# nested priority tuple; a policy's priorities all have one length, so the order is the same)
 _NO_BLOCKS = np.zeros(0, np.int64)
 
 PROTOCOL_SETTING = {"retention": "gd", "write_cost": False}
@@ -148,11 +149,12 @@ class _HeapCachePolicy(CachePolicy):
     # ---- the heap ---------------------------------------------------------------------------
     def _set(self, key: OffloadKey, prio: tuple) -> None:
         self._stamp += 1
-        entry = (prio, self._stamp, key)
+        entry = (*prio, self._stamp, key)
         self._entry[key] = entry
         if key in self._evictable:
             heapq.heappush(self._heap, entry)
-            self._maybe_compact()
+            if len(self._heap) > 64 and len(self._heap) > 2 * len(self._evictable):
+                self._maybe_compact()
 
     def _maybe_compact(self) -> None:
         if len(self._heap) > max(64, 2 * len(self._evictable)):
@@ -162,7 +164,7 @@ class _HeapCachePolicy(CachePolicy):
     def priority(self, key: OffloadKey) -> tuple | None:
         """The priority ``key`` holds now (lower is evicted first; None if not resident)."""
         entry = self._entry.get(key)
-        return None if entry is None else entry[0]
+        return None if entry is None else entry[:-2]
 
     # ---- vLLM's CachePolicy -----------------------------------------------------------------
     def get(self, key: OffloadKey) -> ChunkStatus | None:
@@ -203,7 +205,7 @@ class _HeapCachePolicy(CachePolicy):
         seen: set[OffloadKey] = set()
         while self._heap and len(chosen) < n:
             entry = heapq.heappop(self._heap)
-            key = entry[2]
+            key = entry[-1]
             if key in seen or key not in self._evictable or self._entry.get(key) is not entry:
                 continue  # stale, or a duplicate left by a re-pin without a new priority
             seen.add(key)
@@ -213,12 +215,13 @@ class _HeapCachePolicy(CachePolicy):
         if len(chosen) < n:
             return None  # atomic: every popped live entry is back, nothing else changed
         out = []
-        for prio, _, key in chosen:
+        for entry in chosen:
+            key = entry[-1]
             self._evictable.remove(key)
             del self._entry[key]
             out.append((key, self.chunks.pop(key)))
             self.evictions += 1
-            self._on_evict(key, prio)
+            self._on_evict(key, entry[:-2])
         return out
 
     def clear(self) -> None:
@@ -940,10 +943,11 @@ class KVLearnGuardCachePolicy(_HeapCachePolicy):
             return
         self._store_ctx = None
         self._triggered.add(ctx.req_id)
-        keys = self._store_new + [k for k in protected if k not in set(self._store_new)]
+        new = set(self._store_new)
+        keys = self._store_new + [k for k in protected if k not in new]
         pos = {k: ctx.get_offload_key_position(k) for k in keys}
         keys.sort(key=lambda k: (pos[k] is None, pos[k] or 0))
-        guard = set(protected) | set(self._store_new)
+        guard = set(protected) | new
         for sh in self.shadows:
             sh.store(keys, guard, ctx)
 
@@ -987,7 +991,7 @@ class KVLearnGuardCachePolicy(_HeapCachePolicy):
         seen, deferred = set(chosen), []
         while len(chosen) < n:  # the count above guarantees enough evictable chunks
             entry = heapq.heappop(self._heap)
-            key = entry[2]
+            key = entry[-1]
             if key in seen or key not in self._evictable or self._entry.get(key) is not entry:
                 continue
             seen.add(key)
