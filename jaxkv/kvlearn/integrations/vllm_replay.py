@@ -245,7 +245,7 @@ def run(
     for name in policies:
         t0 = time.perf_counter()
         rec = replay(trace, name, cfg=cfg, cost=cost)
-        row = summarize(name, rec, cost=cost, cfg=cfg)
+        row = summarize(getattr(name, "__name__", name), rec, cost=cost, cfg=cfg)
         row |= {k: int(rec[k]) for k in ("evict_calls", "failed_stores")}
         row |= {"guard": rec["guard"]} if "guard" in rec else {}
         row["hit_saving_ms_mean"] = float(hit_saving_ms(rec, cost=cost).mean())
