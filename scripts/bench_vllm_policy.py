@@ -13,7 +13,8 @@
                (``KVLearnGuardCachePolicy``, its setting fixed by rule: ``RULE``; no tuning)
                against vLLM's arc and lru -> vllm_replay.md, vllm_replay.json
                --fresh-seed N: instead, the four generated workloads with seed N (a
-               confirmation on data nobody has looked at) -> vllm_replay_seedN.{md,json}
+               confirmation on data nobody has looked at) -> vllm_replay_seedN.{md,json};
+               --variant adds ``VARIANT`` (a post-hoc design change, fresh seeds only)
 --overhead     per-call latency at 100k resident blocks, side by side -> vllm_overhead.md
 --e2e          vLLM's own engine on CPU with the OffloadingConnector and KVLearnCachePolicy,
                on a tiny random-weight Llama (no SmolLM2 in HF format is on the machine; the
