@@ -12,7 +12,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 INTEGRATIONS = ROOT / "jaxkv" / "kvlearn" / "integrations"
-JAXKV_POLICIES = ("JaxkvLRU", "JaxkvARC", "KVLearnCachePolicy")
+JAXKV_POLICIES = (
+    "JaxkvLRU",
+    "JaxkvARC",
+    "JaxkvCostAware",
+    "JaxkvGDSF",
+    "KVLearnCachePolicy",
+    "KVLearnGuardCachePolicy",
+)
 ALL_POLICIES = ("lru", "arc", *JAXKV_POLICIES)  # vLLM's own pass the same contract tests
 
 
@@ -158,6 +165,22 @@ def test_clear_resets_everything(name):
     assert _drain_after_script(used) == _drain_after_script(fresh)
 
 
+@pytest.mark.vllm
+@pytest.mark.parametrize("name", ALL_POLICIES)
+def test_unpinned_chunks_are_evictable_again(name):
+    pol = _make(name, 64)
+    keys = _script(pol, seed=5)
+    pinned = keys[0]
+    pol.get(pinned).ref_cnt = 1  # a load in flight (the manager's prepare_load)
+    pol.mark_non_evictable(pinned)
+    got = pol.evict(len(keys) - 1, set())
+    assert got is not None and pinned not in {k for k, _ in got}
+    assert pol.evict(1, set()) is None
+    pol.get(pinned).ref_cnt = 0  # the load completed
+    pol.mark_evictable(pinned)
+    assert [k for k, _ in pol.evict(1, set())] == [pinned]
+
+
 def _drain_after_script(policy):
     return _drain(policy, _script(policy, seed=4))
 
@@ -250,3 +273,92 @@ def test_short_replay_reports_hits_bytes_and_ttft():
         assert r["admits"] + r["discards"] + round(r["hit_rate"] * total) == total
     keys = ("hit_rate", "ttft_ms_mean", "transfer_gib", "evictions", "evict_calls")
     assert all(by["lru"][k] == by["JaxkvLRU"][k] for k in keys)
+
+
+# ---- the guard (KVLearnGuardCachePolicy) --------------------------------------------------------
+def _forced(leader):
+    vp, _ = _vllm()
+    return type(f"Forced_{leader}", (vp.KVLearnGuardCachePolicy,), {"force_leader": leader})
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("ref", ["lru", "arc"])
+def test_guard_forced_to_follow_a_vllm_policy_evicts_what_it_evicts(ref):
+    # the independent reference: vLLM's own lru / arc, every evict call (n, protected, keys)
+    (row,) = _cross(((ref, _forced(ref)),))
+    assert row["calls"] > 500 and row["evicted"] > 5000
+    assert row["matches"] == row["calls"] == row["jaxkv_calls"]
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize(
+    "leader, alone",
+    [("cost_aware", "JaxkvCostAware"), ("gdsf", "JaxkvGDSF"), ("kvlearn", "KVLearnCachePolicy")],
+)
+def test_guard_forced_to_follow_a_jaxkv_policy_evicts_what_it_evicts(leader, alone):
+    (row,) = _cross(((alone, _forced(leader)),), n=600)
+    assert row["calls"] > 200 and row["evicted"] > 2000
+    assert row["matches"] == row["calls"] == row["jaxkv_calls"]
+
+
+@pytest.mark.vllm
+def test_guard_follows_the_learner_only_while_strictly_ahead():
+    pol = _make("KVLearnGuardCachePolicy", 8)
+    names = [sh.name for sh in pol.shadows]
+    assert names == [*pol.baselines, "kvlearn"] and pol.leader == 0  # lru first
+
+    def lead(*scores):
+        for sh, s in zip(pol.shadows, scores, strict=True):
+            sh.saved = s
+        pol._choose_leader()
+        return names[pol.leader]
+
+    assert lead(0, 0, 0, 0, 0) == "lru"
+    assert lead(1, 2, 2, 0, 2) == "arc"  # a tie with the learner goes to the baseline; ties: order
+    assert lead(1, 2, 3, 0, 3.0001) == "kvlearn"
+    assert lead(1, 2, 3, 4, 3.5) == "gdsf"
+
+
+@pytest.mark.vllm
+def test_guard_evicts_first_what_the_new_leaders_shadow_does_not_hold():
+    pol, twin = _make("KVLearnGuardCachePolicy", 64), _make("KVLearnGuardCachePolicy", 64)
+    keys = _script(pol, seed=6)
+    _script(twin, seed=6)
+    assert all(sh.policy.get(k) is not None for sh in pol.shadows for k in keys)
+    (lru_first,) = [k for k, _ in twin.evict(1, set())]  # what the LRU order takes first
+    victim = keys[-1] if keys[-1] != lru_first else keys[-2]
+    arc = pol.shadows[1]
+    arc.policy.remove(victim)  # arc's shadow no longer holds ``victim``: an orphan
+    arc.used -= 1
+    pol._shadow_evicted(arc, victim)
+    pol.leader = 0  # lru's shadow holds everything: the LRU order decides
+    assert [k for k, _ in pol.evict(1, set())] == [lru_first] and pol.orphan_evictions == 0
+    pol.leader = 1
+    assert [k for k, _ in pol.evict(1, set())] == [victim] and pol.orphan_evictions == 1
+
+
+@pytest.mark.vllm
+def test_guard_is_its_baseline_while_the_learner_is_never_ahead():
+    vp, _ = _vllm()
+    never = type("NeverAhead", (vp.KVLearnGuardCachePolicy,), {"baselines": ("lru",), "slack": 1e9})
+    (row,) = _cross((("lru", never),), n=600)
+    assert row["calls"] > 200 and row["matches"] == row["calls"] == row["jaxkv_calls"]
+
+
+@pytest.mark.vllm
+def test_guard_short_replay_scores_every_pool():
+    _, vr = _vllm()
+    from jaxkv.kvlearn.cost import CostModel
+    from jaxkv.kvlearn.serving.engine import ServingConfig
+
+    cost = CostModel.llama3_8b_a100()
+    tr = _trace(600)
+    cfg = ServingConfig(pool_blocks=1500, prefill_nodes=8)
+    rows = vr.run(tr, ("lru", "KVLearnGuardCachePolicy"), cfg=cfg, cost=cost)
+    r = rows[1]
+    g = r["guard"]
+    assert set(g["saved"]) == {"lru", "arc", "cost_aware", "gdsf", "kvlearn"}
+    assert all(v > 0 for v in g["saved"].values()) and g["saved_real"] > 0
+    assert 0 <= g["learner_requests"] <= len(tr) and g["orphan_evictions"] <= r["evictions"]
+    assert r["admits"] - r["evictions"] <= cfg.pool_blocks
+    assert 0 < r["hit_rate"] < 1 and r["hit_saving_ms_mean"] > 0

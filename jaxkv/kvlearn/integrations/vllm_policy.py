@@ -8,7 +8,7 @@ here are such policies; vLLM loads them by name and module path, with no change 
         "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
         "kv_connector_extra_config": {
             "cpu_bytes_to_use": 8 << 30,
-            "eviction_policy": "KVLearnCachePolicy",     # or JaxkvLRU, JaxkvARC
+            "eviction_policy": "KVLearnGuardCachePolicy",  # or any class below
             "cache_policy_module_path": "jaxkv.kvlearn.integrations.vllm_policy",
         },
     }
@@ -18,11 +18,21 @@ here are such policies; vLLM loads them by name and module path, with no change 
     JaxkvARC            jaxkv's block ``arc`` (``serving.policies.arc.ARC``): its ``on_access``,
                         ``victim``, ``on_evict`` and ``on_insert`` decide; the adapter only
                         steps over chunks vLLM may not evict (pinned or protected).
+    JaxkvCostAware      the protocol's ``cost_aware`` and ``gdsf`` in vLLM's flat key space
+    JaxkvGDSF           (values from the chunk's depth and uses, a head priced at least as its
+                        tail: see the classes).
     KVLearnCachePolicy  KVLearn at block level (``serving.policies.kvlearn.BlockKVLearn``, the
                         very object the serving simulator runs): the core's PRP MLP on 16 block
                         features, GreedyDual CARS retention (L + P̂·s_j); by default the
                         protocol's ``gd`` setting (``PROTOCOL_SETTING``: no write-cost
                         admission; with it, as an eviction order, see the class).
+    KVLearnGuardCachePolicy
+                        KVLearn's vLLM policy: the learner (``KVLearnCachePolicy``) and the
+                        baselines (lru, arc, cost_aware, gdsf) each in a shadow pool of the same
+                        capacity fed vLLM's calls; the real pool is the best baseline's (call
+                        for call while it holds what that shadow holds) and follows the learner
+                        only while the learner's shadow saves strictly more (issue 15's guard;
+                        design, setting and its rule in the class docstring).
 
 What vLLM asks of a policy (its ``CachePolicy`` docstrings) and how these keep it: ``touch``
 receives keys head to tail and the head ends most recent (vLLM's ``lru`` and ``arc`` both walk
@@ -61,7 +71,8 @@ from jaxkv.kvlearn.serving.policies.lru import LRUPool
 from jaxkv.kvlearn.serving.predictors import DeferredPRP, HostPRP
 from jaxkv.kvlearn.traces import BLOCK_TOKENS, MooncakeTrace
 
-_Entry = tuple  # (priority tuple, stamp, key): one heap entry; ``stamp`` makes it unique
+_Entry = tuple  # (*priority, stamp, key): one heap entry, flat (cheaper to compare than a
+# nested priority tuple; a policy's priorities all have one length, so the order is the same)
 _NO_BLOCKS = np.zeros(0, np.int64)
 
 PROTOCOL_SETTING = {"retention": "gd", "write_cost": False}
@@ -69,6 +80,18 @@ PROTOCOL_SETTING = {"retention": "gd", "write_cost": False}
 leave-one-workload-out protocol chose (``gd``: GreedyDual retention on P̂·s_j, no write-cost
 admission; ``scripts/bench_kvlearn_serving.py --protocol``). ``KVLearnCachePolicy``'s default:
 vLLM writes every offered chunk anyway, so the write cost could only reorder evictions."""
+
+
+def key_depths(
+    keys: Sequence[OffloadKey], req_context: ReqContext, *, block_tokens: int
+) -> list[int]:
+    """Each key's depth j in its request (chunk index, 0 = the head) from vLLM's key positions
+    (end tokens, ``block_tokens`` per chunk); a key without a position gets its index."""
+    out = []
+    for idx, key in enumerate(keys):
+        end = req_context.get_offload_key_position(key)
+        out.append(idx if end is None else max(math.ceil(end / block_tokens) - 1, 0))
+    return out
 
 
 def shape_trace(*, n_blocks: int, max_depth: int, block_tokens: int) -> MooncakeTrace:
@@ -126,11 +149,12 @@ class _HeapCachePolicy(CachePolicy):
     # ---- the heap ---------------------------------------------------------------------------
     def _set(self, key: OffloadKey, prio: tuple) -> None:
         self._stamp += 1
-        entry = (prio, self._stamp, key)
+        entry = (*prio, self._stamp, key)
         self._entry[key] = entry
         if key in self._evictable:
             heapq.heappush(self._heap, entry)
-            self._maybe_compact()
+            if len(self._heap) > 64 and len(self._heap) > 2 * len(self._evictable):
+                self._maybe_compact()
 
     def _maybe_compact(self) -> None:
         if len(self._heap) > max(64, 2 * len(self._evictable)):
@@ -140,7 +164,7 @@ class _HeapCachePolicy(CachePolicy):
     def priority(self, key: OffloadKey) -> tuple | None:
         """The priority ``key`` holds now (lower is evicted first; None if not resident)."""
         entry = self._entry.get(key)
-        return None if entry is None else entry[0]
+        return None if entry is None else entry[:-2]
 
     # ---- vLLM's CachePolicy -----------------------------------------------------------------
     def get(self, key: OffloadKey) -> ChunkStatus | None:
@@ -181,7 +205,7 @@ class _HeapCachePolicy(CachePolicy):
         seen: set[OffloadKey] = set()
         while self._heap and len(chosen) < n:
             entry = heapq.heappop(self._heap)
-            key = entry[2]
+            key = entry[-1]
             if key in seen or key not in self._evictable or self._entry.get(key) is not entry:
                 continue  # stale, or a duplicate left by a re-pin without a new priority
             seen.add(key)
@@ -191,12 +215,13 @@ class _HeapCachePolicy(CachePolicy):
         if len(chosen) < n:
             return None  # atomic: every popped live entry is back, nothing else changed
         out = []
-        for prio, _, key in chosen:
+        for entry in chosen:
+            key = entry[-1]
             self._evictable.remove(key)
             del self._entry[key]
             out.append((key, self.chunks.pop(key)))
             self.evictions += 1
-            self._on_evict(key, prio)
+            self._on_evict(key, entry[:-2])
         return out
 
     def clear(self) -> None:
@@ -250,11 +275,7 @@ class _BlockPolicyCache(_HeapCachePolicy):
         return b
 
     def _depths(self, keys: Sequence[OffloadKey], req_context: ReqContext) -> list[int]:
-        out = []
-        for idx, key in enumerate(keys):
-            end = req_context.get_offload_key_position(key)
-            out.append(idx if end is None else max(math.ceil(end / self.block_tokens) - 1, 0))
-        return out
+        return key_depths(keys, req_context, block_tokens=self.block_tokens)
 
     def on_store_miss(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
         keys = list(keys)
@@ -537,6 +558,550 @@ class JaxkvARC(CachePolicy):
 
     def mark_non_evictable(self, key: OffloadKey) -> None:
         self._evictable.discard(key)
+
+
+# ---- flat forms of the protocol's cost-aware baselines ----------------------------------------
+def depth_saving_ms(cost: CostModel, *, block_tokens: int, max_depth: int) -> np.ndarray:
+    """[max_depth + 1] s_j = R((j+1)·bt) − R(j·bt) − T(bt), floored at 0: what a hit on a chunk
+    at depth j saves (``BlockKVLearn``'s ``DepthCosts.save_ms``, from vLLM's key depths)."""
+    j = np.arange(max_depth + 2, dtype=np.float64)
+    r_j = np.asarray(cost.recompute_ms(j * block_tokens), np.float64)
+    t_blk = float(cost.transfer_ms(cost.footprint_bytes(block_tokens)))
+    return np.maximum(np.diff(r_j) - t_blk, 0.0)
+
+
+class _FlatValueCache(_HeapCachePolicy):
+    """A heap policy whose priority is a value per chunk computed from the chunk's depth
+    (``key_depths``) and its history, re-priced at every request that uses it, then raised to
+    the largest value of the keys behind it in the request (``_price``, as
+    ``KVLearnCachePolicy`` does): the flat pool's stand-in for the simulator's leaf-only
+    eviction, so a head never goes before the deeper chunks that need it. Subclasses say what
+    a stored (``_stored``) and a reused (``_reused``) chunk is worth."""
+
+    block_tokens: int = BLOCK_TOKENS
+    cost_preset: str = "llama3-8b-a100"
+    max_depth: int = 1 << 14
+
+    def __init__(self, cache_capacity: int):
+        self.block_tokens = int(os.environ.get("JAXKV_KVLEARN_BLOCK_TOKENS", self.block_tokens))
+        self.cost = CostModel.preset(os.environ.get("JAXKV_KVLEARN_COST", self.cost_preset))
+        self.save_ms = depth_saving_ms(
+            self.cost, block_tokens=self.block_tokens, max_depth=self.max_depth
+        )
+        super().__init__(cache_capacity)
+        self.n_req = 0
+        self._depth: dict[OffloadKey, int] = {}  # of keys seen in a store miss, until used
+        self._reset_values()
+
+    def _reset_values(self) -> None:
+        raise NotImplementedError
+
+    def _stored(self, key: OffloadKey, j: int) -> float:
+        raise NotImplementedError
+
+    def _reused(self, key: OffloadKey, j: int) -> float:
+        raise NotImplementedError
+
+    def _reset(self) -> None:
+        self.n_req = 0
+        self._depth.clear()
+        self._reset_values()
+
+    def on_store_miss(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
+        keys = list(keys)
+        depths = key_depths(keys, req_context, block_tokens=self.block_tokens)
+        self._depth.update((k, min(j, self.max_depth)) for k, j in zip(keys, depths, strict=True))
+
+    def _insert_prio(self, key: OffloadKey) -> tuple:
+        return (self._stored(key, self._depth.get(key, 0)),)
+
+    def _use(self, keys, req_context) -> None:
+        """A bare ``touch``: every resident key is one reuse."""
+        self._price(keys, req_context, ())
+
+    def on_request_finished(self, key_groups, insertion_only_keys, reused_keys, req_context):
+        keys = order_request_keys(key_groups, req_context)
+        self._price(keys, req_context, insertion_only_keys)
+        for key in keys:
+            self._depth.pop(key, None)
+        self.n_req += 1
+
+    def _price(self, keys, req_context, inserted) -> None:
+        depths = key_depths(keys, req_context, block_tokens=self.block_tokens)
+        run = None
+        for key, j in zip(reversed(keys), reversed(depths), strict=True):
+            if key not in self.chunks:
+                continue
+            j = min(j, self.max_depth)
+            v = self._stored(key, j) if key in inserted else self._reused(key, j)
+            run = v if run is None or v > run else run
+            self._set(key, (run,))
+
+
+class JaxkvGDSF(_FlatValueCache):
+    """The protocol's ``gdsf`` (GreedyDual-Size-Frequency, ``serving.policies.gdsf``) in vLLM's
+    flat key space: H = L + F·s_j, F the chunk's uses since it was stored (the store counts 1),
+    s_j its saving at depth j (``depth_saving_ms``), L the priority of the last victim (never
+    decreasing); a chunk stored by a request is priced again when the request finishes (L may
+    have risen while room was made, as the simulator's ``on_insert`` does)."""
+
+    def _reset_values(self) -> None:
+        self.freq: dict[OffloadKey, int] = {}
+        self.inflation = 0.0
+
+    def _stored(self, key, j):
+        self.freq[key] = 1
+        return self.inflation + float(self.save_ms[j])
+
+    def _reused(self, key, j):
+        f = self.freq[key] = self.freq.get(key, 0) + 1
+        return self.inflation + f * float(self.save_ms[j])
+
+    def _on_evict(self, key, prio):
+        self.freq.pop(key, None)
+        self.inflation = max(self.inflation, prio[0])
+
+
+class JaxkvCostAware(_FlatValueCache):
+    """The protocol's ``cost_aware`` (``serving.policies.cost_aware``) in vLLM's flat key
+    space: value log s_j + log Σ_k exp(n_k/τ) over the chunk's uses n_k (finished-request
+    indices; kept across evictions), τ the pool's turnover, capacity / mean chunks per finished
+    request so far (the simulator takes the trace's mean, which a vLLM policy never sees)."""
+
+    def _reset_values(self) -> None:
+        self.log_mass: dict[OffloadKey, float] = {}
+        self.n_keys = 0
+
+    def _tau(self) -> float:
+        per_req = self.n_keys / self.n_req if self.n_req else 1.0
+        return max(1.0, self.cache_capacity / max(per_req, 1.0))
+
+    def _stored(self, key, j):
+        return self._reused(key, j)
+
+    def _reused(self, key, j):
+        m = _log_add_exp(self.log_mass.get(key, -math.inf), self.n_req / self._tau())
+        self.log_mass[key] = m
+        return math.log(max(float(self.save_ms[j]), 1e-12)) + m
+
+    def on_request_finished(self, key_groups, insertion_only_keys, reused_keys, req_context):
+        # a stored chunk's use was counted at its insert
+        keys = order_request_keys(key_groups, req_context)
+        run, depths = None, key_depths(keys, req_context, block_tokens=self.block_tokens)
+        for key, j in zip(reversed(keys), reversed(depths), strict=True):
+            if key not in self.chunks:
+                continue
+            j = min(j, self.max_depth)
+            if key in insertion_only_keys:
+                v = math.log(max(float(self.save_ms[j]), 1e-12)) + self.log_mass[key]
+            else:
+                v = self._reused(key, j)
+            run = v if run is None or v > run else run
+            self._set(key, (run,))
+        for key in keys:
+            self._depth.pop(key, None)
+        self.n_keys += len(keys)
+        self.n_req += 1
+
+
+def _log_add_exp(a: float, x: float) -> float:
+    """log(e^a + e^x) for a possibly −inf."""
+    if a == -math.inf:
+        return x
+    m = max(a, x)
+    return m + math.log(math.exp(a - m) + math.exp(x - m))
+
+
+# ---- the guard ----------------------------------------------------------------------------------
+GUARD_BASELINES = ("lru", "arc", "cost_aware", "gdsf")
+"""The guard's classical baselines, in tie-break order (see ``KVLearnGuardCachePolicy``)."""
+
+
+class _Shadow:
+    """One policy in a pool of its own of the same capacity, driven as vLLM's
+    ``CPUOffloadingManager`` drives a policy, at the moments the guard's real pool is driven
+    (``KVLearnGuardCachePolicy`` says which). ``saved``: its cumulative hit saving (ms)."""
+
+    def __init__(self, name: str, policy: CachePolicy, on_evict):
+        self.name = name
+        self.policy = policy
+        self.used = 0
+        self.saved = 0.0
+        self.pending: dict[OffloadKey, ChunkStatus] = {}  # stored, not yet ready
+        self.pinned: set[OffloadKey] = set()  # pinned because the real pool's chunk is
+        self.inserted: dict[str, set[OffloadKey]] = {}  # request → keys it stored here
+        self.evicted: dict[str, set[OffloadKey]] = {}  # request → keys its stores evicted
+        self._on_evict = on_evict
+
+    def holds(self, key: OffloadKey) -> bool:
+        return self.policy.get(key) is not None
+
+    def store(self, keys: list, protected: set, req_context: ReqContext) -> None:
+        """The manager's ``prepare_store`` of ``keys`` (those it lacks, head to tail): the store
+        miss, the pre-check, ``evict`` of what the pool lacks (protected: ``protected``), the
+        inserts (not ready until ``ready``). A refused store stores nothing."""
+        pol, rid = self.policy, req_context.req_id
+        keys = [k for k in keys if pol.get(k) is None]
+        if not keys:
+            return
+        pol.on_store_miss(keys, req_context)
+        n = len(keys) - (pol.cache_capacity - self.used)
+        if n > 0:
+            if n > len(pol._evictable):
+                return
+            out = pol.evict(n, protected)
+            if out is None:
+                return
+            self.used -= n
+            gone = self.evicted.setdefault(rid, set())
+            for key, _ in out:
+                gone.add(key)
+                self._on_evict(self, key)
+        mine = self.inserted.setdefault(rid, set())
+        for key in keys:
+            chunk = ChunkStatus(0)  # ref_cnt −1: being written
+            pol.insert(key, chunk)
+            self.pending[key] = chunk
+            mine.add(key)
+        self.used += len(keys)
+
+    def ready(self, key: OffloadKey) -> None:
+        chunk = self.pending.pop(key)
+        chunk.ref_cnt = 0
+        self.policy.mark_evictable(key)
+
+    def pin(self, key: OffloadKey) -> None:
+        chunk = self.policy.get(key)
+        if chunk is not None and chunk.ref_cnt == 0:
+            chunk.ref_cnt = 1
+            self.policy.mark_non_evictable(key)
+            self.pinned.add(key)
+
+    def unpin_or_ready(self, key: OffloadKey) -> None:
+        if key in self.pinned:
+            self.pinned.remove(key)
+            self.policy.get(key).ref_cnt = 0
+            self.policy.mark_evictable(key)
+        elif key in self.pending:
+            self.ready(key)
+
+    def remove(self, key: OffloadKey) -> None:
+        if key in self.pending:  # a failed store: the manager removes the written chunk
+            del self.pending[key]
+            self.policy.remove(key)
+            self.used -= 1
+
+
+class KVLearnGuardCachePolicy(_HeapCachePolicy):
+    """KVLearn guarded by vLLM's own policies (issue 15's ``guard`` in vLLM's flat key space).
+
+    Shadows: each baseline of ``baselines`` (``GUARD_BASELINES``: vLLM's ``lru`` and ``arc``,
+    as ``JaxkvLRU`` / ``JaxkvARC``, which decide as vLLM's do on every evict call, and the
+    protocol's cost-aware ``cost_aware`` and ``gdsf`` in flat form, ``JaxkvCostAware`` /
+    ``JaxkvGDSF``) and the learner (``KVLearnCachePolicy``, ``PROTOCOL_SETTING``) each run in a
+    pool of their own of the real pool's capacity (``_Shadow``), fed what vLLM's manager would
+    feed that policy alone:
+
+    * store: the chunks the real pool stores, when it stores them (inside the real ``evict``,
+      before the real pool chooses its victims, or at the store's first ``insert`` when it
+      needs no eviction), less those the shadow holds; the shadow's own pre-check, ``evict``
+      (protected: the real call's protected keys and the store's keys) and inserts. At the
+      request's ``on_request_finished``: also the request's keys the shadow lacks and the real
+      pool holds (a shadow that missed where the real pool hit); a store vLLM refused only
+      reaches the shadows as its store miss.
+    * readiness and pins: a shadow's chunk is written (ready) when the real pool's is, else
+      when its request finishes; it is pinned while the real pool's chunk of the same key is
+      (``mark_non_evictable`` / ``mark_evictable``).
+    * the request: ``on_request_finished`` with the real call's key groups, insertion-only =
+      the keys the shadow stored for the request, reused = the others.
+
+    Score: each pool's cumulative hit saving, R(c) − T(c) per request (c: the end token of the
+    request's leading chunks that the pool held when the request stored, i.e. before its
+    store, counting chunks its own store evicted), the replay's "hit saving". vLLM tells a
+    policy nothing at lookup (the connector sends no ``touch``), so hits are scored at the
+    store, the same way for every pool, the real one included (``saved_real``).
+
+    The real pool: an LRU order (vLLM's ``lru`` exactly, ``_HeapCachePolicy``) and, per shadow,
+    its *orphans*: the real pool's chunks the shadow does not hold, in the order the shadow let
+    them go (its eviction, or the real pool's storing a chunk it lacks). ``evict(n)`` takes the
+    leader's orphans first, then the LRU order. The leader (updated when a request finishes):
+    the learner while its shadow's score is strictly above every baseline's (× (1 + ``slack``),
+    slack 0), else the baseline with the highest score (ties: ``baselines`` order, so ``lru``
+    until another is ahead). While the real pool holds what the leader's shadow holds, the only
+    orphans at a store are the chunks the shadow has just evicted for that same store, so the
+    real pool evicts exactly them: it *is* that policy's pool, call for call (tested against
+    vLLM's ``lru`` and ``arc``: ``force_leader``). After a change of leader it evicts first
+    what the new leader's shadow does not hold, until the two agree.
+
+    Not exact (vLLM's interface gives a policy no request at lookup): a shadow that disagrees
+    with the real pool is told of a request's keys only as the real pool stores them, so its
+    hits are scored at the store and a miss the real pool did not have is stored when the
+    request finishes; its pins are the real pool's. None of this touches a shadow that holds
+    what the real pool holds.
+
+    Setting (fixed before any replay of this class; ``results/kvlearn/vllm_replay.md``):
+    issue 15's protocol chose ``guard:moon+ca+gdsf,0%`` in every fold (baselines ``mooncake``,
+    ``cost_aware``, ``gdsf``; slack 0; learner ``gd`` without the write cost); in vLLM's flat
+    pool ``mooncake`` (LRU over the prefix tree's leaves) is vLLM's ``lru``, and vLLM ships
+    ``arc`` too, so the baselines are ``lru``, ``arc``, ``cost_aware``, ``gdsf``, slack 0,
+    the learner ``KVLearnCachePolicy`` with ``PROTOCOL_SETTING``. One change from issue 15's
+    rule, made so that a cell where a baseline leads throughout is that baseline's exactly:
+    the learner is scored in a shadow of its own and followed only while strictly ahead;
+    issue 15's real pool started with the learner and compared its own saving.
+
+    Configuration: the class attributes ``baselines``, ``slack``, ``learner_hparams`` and the
+    environment variables of ``KVLearnCachePolicy`` (``JAXKV_KVLEARN_COST``,
+    ``JAXKV_KVLEARN_BLOCK_TOKENS``); ``force_leader`` (a baseline name or ``"kvlearn"``) pins
+    the leader (tests). Diagnostics: ``saved_real``, each shadow's ``saved``,
+    ``leader_changes``, ``learner_requests`` (requests finished with the learner leading),
+    ``orphan_evictions``.
+    """
+
+    baselines: tuple[str, ...] = GUARD_BASELINES
+    slack: float = 0.0
+    learner_hparams: dict = PROTOCOL_SETTING
+    force_leader: str | None = None
+    block_tokens: int = BLOCK_TOKENS
+    cost_preset: str = "llama3-8b-a100"
+
+    def __init__(self, cache_capacity: int):
+        self.block_tokens = int(os.environ.get("JAXKV_KVLEARN_BLOCK_TOKENS", self.block_tokens))
+        self.cost = CostModel.preset(os.environ.get("JAXKV_KVLEARN_COST", self.cost_preset))
+        bad = [b for b in self.baselines if b not in GUARD_BASELINES]
+        if not self.baselines or bad or len(set(self.baselines)) != len(self.baselines):
+            raise ValueError(f"baselines must be distinct names from {GUARD_BASELINES}")
+        names = (*self.baselines, "kvlearn")
+        if self.force_leader is not None and self.force_leader not in names:
+            raise ValueError(f"force_leader must be one of {names}, got {self.force_leader!r}")
+        super().__init__(cache_capacity)
+        self._new_shadows()
+
+    def _make(self, name: str) -> CachePolicy:
+        if name == "kvlearn":
+            hp = self.learner_hparams
+            learner = type("GuardLearner", (KVLearnCachePolicy,), {"hparams": hp})
+            return learner(self.cache_capacity)
+        cls = {"lru": JaxkvLRU, "arc": JaxkvARC, "cost_aware": JaxkvCostAware}.get(name, JaxkvGDSF)
+        return cls(self.cache_capacity)
+
+    def _new_shadows(self) -> None:
+        names = (*self.baselines, "kvlearn")
+        self.shadows = [_Shadow(n, self._make(n), self._shadow_evicted) for n in names]
+        self._index = {sh: k for k, sh in enumerate(self.shadows)}
+        self._orphans: list[list[tuple[int, OffloadKey]]] = [[] for _ in names]
+        self._seq = 0
+        self.leader = names.index(self.force_leader) if self.force_leader else 0
+        self.saved_real = 0.0
+        self.leader_changes = 0
+        self.learner_requests = 0
+        self.orphan_evictions = 0
+        self._store_ctx: ReqContext | None = None  # a store miss not yet shown to the shadows
+        self._store_req: str | None = None  # the request whose store is in progress
+        self._store_new: list[OffloadKey] = []
+        self._triggered: set[str] = set()  # requests whose store reached the shadows
+        self._missed: dict[str, list[OffloadKey]] = {}  # request → its store-miss keys
+        self._real_evicted: dict[str, set[OffloadKey]] = {}
+
+    def _reset(self) -> None:
+        self._new_shadows()
+
+    # ---- the real pool's LRU order (vLLM's lru) ---------------------------------------------
+    def _insert_prio(self, key: OffloadKey) -> tuple:
+        self._seq += 1
+        return (self._seq,)
+
+    def _use(self, keys, req_context) -> None:
+        for key in reversed(keys):
+            if key in self.chunks:
+                self._seq += 1
+                self._set(key, (self._seq,))
+
+    # ---- orphans ----------------------------------------------------------------------------
+    def _push_orphan(self, k: int, key: OffloadKey) -> None:
+        self._seq += 1
+        heap = self._orphans[k]
+        heapq.heappush(heap, (self._seq, key))
+        if len(heap) > 2 * len(self.chunks) + 64:
+            sh = self.shadows[k]
+            heap[:] = [e for e in heap if e[1] in self.chunks and not sh.holds(e[1])]
+            heapq.heapify(heap)
+
+    def _shadow_evicted(self, sh: _Shadow, key: OffloadKey) -> None:
+        if key in self.chunks:
+            self._push_orphan(self._index[sh], key)
+
+    # ---- what vLLM calls --------------------------------------------------------------------
+    def on_store_miss(self, keys, req_context) -> None:
+        self._store_ctx, self._store_new = req_context, list(keys)
+        self._store_req = req_context.req_id
+        self._missed.setdefault(req_context.req_id, []).extend(self._store_new)
+
+    def _trigger(self, protected: set[OffloadKey]) -> None:
+        """The store in progress reaches the shadows (once per store miss)."""
+        ctx = self._store_ctx
+        if ctx is None:
+            return
+        self._store_ctx = None
+        self._triggered.add(ctx.req_id)
+        new = set(self._store_new)
+        keys = self._store_new + [k for k in protected if k not in new]
+        pos = {k: ctx.get_offload_key_position(k) for k in keys}
+        keys.sort(key=lambda k: (pos[k] is None, pos[k] or 0))
+        guard = set(protected) | new
+        for sh in self.shadows:
+            sh.store(keys, guard, ctx)
+
+    def insert(self, key: OffloadKey, chunk: ChunkStatus) -> None:
+        self._trigger(set())
+        super().insert(key, chunk)
+        for k, sh in enumerate(self.shadows):
+            if not sh.holds(key):
+                self._push_orphan(k, key)
+
+    def remove(self, key: OffloadKey) -> None:
+        super().remove(key)
+        for sh in self.shadows:
+            sh.remove(key)
+
+    def touch(self, keys, req_context) -> None:
+        keys = list(keys)
+        super().touch(keys, req_context)
+        for sh in self.shadows:
+            sh.policy.touch(keys, req_context)
+
+    def mark_evictable(self, key: OffloadKey) -> None:
+        super().mark_evictable(key)
+        for sh in self.shadows:
+            sh.unpin_or_ready(key)
+
+    def mark_non_evictable(self, key: OffloadKey) -> None:
+        super().mark_non_evictable(key)
+        for sh in self.shadows:
+            sh.pin(key)
+
+    def evict(self, n, protected):
+        if n == 0:
+            return []
+        blocked = sum(1 for k in protected if k in self._evictable)
+        if len(self._evictable) - blocked < n:
+            return None  # atomic: nothing has changed, the shadows included
+        self._trigger(protected)
+        chosen = self._take_orphans(n, protected)
+        self.orphan_evictions += len(chosen)
+        seen, deferred = set(chosen), []
+        while len(chosen) < n:  # the count above guarantees enough evictable chunks
+            entry = heapq.heappop(self._heap)
+            key = entry[-1]
+            if key in seen or key not in self._evictable or self._entry.get(key) is not entry:
+                continue
+            seen.add(key)
+            if key in protected:
+                deferred.append(entry)
+            else:
+                chosen.append(key)
+        for entry in deferred:
+            heapq.heappush(self._heap, entry)
+        gone = self._real_evicted.setdefault(self._store_req, set()) if self._store_req else None
+        out = []
+        for key in chosen:
+            self._evictable.remove(key)
+            del self._entry[key]
+            out.append((key, self.chunks.pop(key)))
+            if gone is not None:
+                gone.add(key)
+        self.evictions += n
+        return out
+
+    def _take_orphans(self, n: int, protected: set[OffloadKey]) -> list[OffloadKey]:
+        """Up to n evictable, unprotected chunks the leader's shadow does not hold, first
+        orphaned first."""
+        heap, sh = self._orphans[self.leader], self.shadows[self.leader]
+        chosen: list[OffloadKey] = []
+        seen: set[OffloadKey] = set()
+        deferred = []
+        while heap and len(chosen) < n:
+            entry = heapq.heappop(heap)
+            key = entry[1]
+            if key in seen or key not in self.chunks or sh.holds(key):
+                continue  # stale: evicted since, or the shadow holds it again
+            seen.add(key)
+            if key not in self._evictable or key in protected:
+                deferred.append(entry)
+            else:
+                chosen.append(key)
+        for entry in deferred:
+            heapq.heappush(heap, entry)
+        return chosen
+
+    def on_request_finished(self, key_groups, insertion_only_keys, reused_keys, req_context):
+        keys = order_request_keys(key_groups, req_context)
+        rid = req_context.req_id
+        if self._store_ctx is not None and self._store_ctx.req_id == rid:
+            self._store_ctx = None  # a store vLLM refused before it reached evict or insert
+        if self._store_req == rid:
+            self._store_req = None
+        triggered = rid in self._triggered
+        self._triggered.discard(rid)
+        missed = self._missed.pop(rid, [])
+        gone = self._real_evicted.pop(rid, set())
+        self.saved_real += self._hit_saving(
+            keys,
+            req_context,
+            lambda k: (k in self.chunks and k not in insertion_only_keys) or k in gone,
+        )
+        for sh in self.shadows:
+            self._finish_shadow(sh, key_groups, keys, missed, triggered, req_context)
+        super().on_request_finished(key_groups, insertion_only_keys, reused_keys, req_context)
+        self._choose_leader()
+
+    def _finish_shadow(self, sh, key_groups, keys, missed, triggered, req_context) -> None:
+        rid = req_context.req_id
+        late = [k for k in keys if k in self.chunks and not sh.holds(k)]
+        if late:  # the shadow missed where the real pool hit (or stored): store them now
+            sh.store(late, set(keys), req_context)
+        if not triggered:
+            refused = [k for k in missed if k not in self.chunks and not sh.holds(k)]
+            if refused:  # vLLM refused the store: its policy saw only the store miss
+                sh.policy.on_store_miss(refused, req_context)
+        mine = sh.inserted.pop(rid, set())
+        evicted = sh.evicted.pop(rid, set())
+        for key in mine:
+            if key in sh.pending:
+                sh.ready(key)
+        sh.saved += self._hit_saving(
+            keys, req_context, lambda k: (sh.holds(k) and k not in mine) or k in evicted
+        )
+        reused = {k for k in keys if k not in mine}
+        sh.policy.on_request_finished(key_groups, mine, reused, req_context)
+
+    def _hit_saving(self, keys, req_context, held) -> float:
+        """R(c) − T(c) (ms) for c the end token of the leading ``keys`` that ``held``."""
+        h = 0
+        for key in keys:
+            if not held(key):
+                break
+            h += 1
+        if not h:
+            return 0.0
+        end = req_context.get_offload_key_position(keys[h - 1])
+        c = float(h * self.block_tokens if end is None else end)
+        cost = self.cost
+        return float(cost.recompute_ms(c) - cost.transfer_ms(cost.footprint_bytes(c)))
+
+    def _choose_leader(self) -> None:
+        b = len(self.baselines)
+        if self.force_leader is not None:
+            new = self.leader
+        else:
+            scores = [sh.saved for sh in self.shadows[:b]]
+            best = max(range(b), key=lambda k: (scores[k], -k))  # ties: the first
+            new = b if self.shadows[b].saved > (1.0 + self.slack) * scores[best] else best
+        self.leader_changes += new != self.leader
+        self.leader = new
+        self.learner_requests += new == b
+
+    def clear(self) -> None:
+        super().clear()  # ``_reset``: new shadows, scores, orphans and leader
 
 
 def _grow(st: BlockKVLearnState, n: int) -> None:

@@ -45,7 +45,14 @@ from jaxkv.kvlearn.traces import MooncakeTrace
 
 VLLM_POLICIES = ("lru", "arc")
 """vLLM's own cache policies, by their registered names."""
-JAXKV_POLICIES = ("JaxkvLRU", "JaxkvARC", "KVLearnCachePolicy")
+JAXKV_POLICIES = (
+    "JaxkvLRU",
+    "JaxkvARC",
+    "JaxkvCostAware",
+    "JaxkvGDSF",
+    "KVLearnCachePolicy",
+    "KVLearnGuardCachePolicy",
+)
 """jaxkv's, by class name in ``VLLM_POLICY_MODULE``."""
 PEERS = {"lru": "JaxkvLRU", "arc": "JaxkvARC"}
 """Each vLLM policy and the jaxkv policy that must decide exactly as it does."""
@@ -62,9 +69,15 @@ class EvictCall:
     evicted: tuple[OffloadKey, ...] | None
 
 
-def make_manager(policy: str, *, pool_blocks: int) -> CPUOffloadingManager:
+def make_manager(policy, *, pool_blocks: int) -> CPUOffloadingManager:
     """vLLM's CPU offload manager over ``pool_blocks`` chunks with the cache policy ``policy``
-    (one of ``VLLM_POLICIES`` or ``JAXKV_POLICIES``), resolved by vLLM's own factory."""
+    (one of ``VLLM_POLICIES`` or ``JAXKV_POLICIES``), resolved by vLLM's own factory. A
+    ``CachePolicy`` subclass instead (a test's variant) replaces the policy the factory built
+    (the manager holds it as ``_policy`` and nothing else refers to it)."""
+    if isinstance(policy, type):
+        mgr = CPUOffloadingManager(num_chunks=pool_blocks, cache_policy="lru")
+        mgr._policy = policy(cache_capacity=pool_blocks)
+        return mgr
     if policy not in VLLM_POLICIES + JAXKV_POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose from {VLLM_POLICIES + JAXKV_POLICIES}")
     module = None if policy in VLLM_POLICIES else VLLM_POLICY_MODULE
@@ -146,7 +159,26 @@ def replay(
         _handle(mgr, trace, live, heapq.heappop(events), rec, counts)
     rec = finish_record(rec, trace, cfg)
     evictions = sum(len(c.evicted) for c in log if c.evicted is not None)
-    return rec | counts | {"evictions": evictions, "evict_calls": len(log)}
+    return rec | counts | {"evictions": evictions, "evict_calls": len(log)} | _guard_stats(mgr)
+
+
+def _guard_stats(mgr: CPUOffloadingManager) -> dict:
+    """A guard's diagnostics (``KVLearnGuardCachePolicy``): the scores (cumulative hit saving
+    at the store, ms) of the real pool and of each shadow, leader changes, requests finished
+    with the learner leading, chunks evicted as orphans; {} for another policy."""
+    pol = mgr._policy
+    if not hasattr(pol, "shadows"):
+        return {}
+    return {
+        "guard": {
+            "saved_real": pol.saved_real,
+            "saved": {sh.name: sh.saved for sh in pol.shadows},
+            "leader_changes": pol.leader_changes,
+            "learner_requests": pol.learner_requests,
+            "orphan_evictions": pol.orphan_evictions,
+            "final_leader": pol.shadows[pol.leader].name,
+        }
+    }
 
 
 def _start(mgr: CPUOffloadingManager, trace: MooncakeTrace, i: int) -> _Request:
@@ -213,8 +245,9 @@ def run(
     for name in policies:
         t0 = time.perf_counter()
         rec = replay(trace, name, cfg=cfg, cost=cost)
-        row = summarize(name, rec, cost=cost, cfg=cfg)
+        row = summarize(getattr(name, "__name__", name), rec, cost=cost, cfg=cfg)
         row |= {k: int(rec[k]) for k in ("evict_calls", "failed_stores")}
+        row |= {"guard": rec["guard"]} if "guard" in rec else {}
         row["hit_saving_ms_mean"] = float(hit_saving_ms(rec, cost=cost).mean())
         rows.append(row | {"wall_s": time.perf_counter() - t0})
     return rows
@@ -246,7 +279,7 @@ def cross_check(
         rows.append(
             {
                 "vllm": ref,
-                "jaxkv": peer,
+                "jaxkv": getattr(peer, "__name__", peer),
                 "calls": len(a),
                 "jaxkv_calls": len(b),
                 "matches": sum(same),
