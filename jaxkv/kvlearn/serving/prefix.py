@@ -52,10 +52,10 @@ class PrefixCache:
 
     ``select_victim`` and ``on_insert`` are the policy's hooks (None until it ``bind``s them).
 
-    Attributes (``[P]`` arrays over block ids): ``resident``, ``parent`` (ROOT for a first
-    block), ``n_children`` (resident children); ``version`` ([P] list: heap entries older than
-    it are stale); ``prio`` (block → priority of its newest heap entry), ``size`` (resident
-    blocks) and ``evictions`` (so far).
+    Attributes (over block ids): ``resident`` ([P] bool array); ``parent`` (ROOT for a first
+    block), ``n_children`` (resident children) and ``version`` (heap entries older than it are
+    stale), [P] lists (read and written block by block); ``prio`` (block → priority of its
+    newest heap entry), ``size`` (resident blocks) and ``evictions`` (so far).
     """
 
     def __init__(
@@ -71,8 +71,8 @@ class PrefixCache:
         self.capacity = int(capacity)
         self.leaf_only = leaf_only
         self.resident = np.zeros(n_blocks, bool)
-        self.parent = np.full(n_blocks, ROOT, np.int64)
-        self.n_children = np.zeros(n_blocks, np.int64)  # resident children (leaf_only)
+        self.parent = [ROOT] * n_blocks
+        self.n_children = [0] * n_blocks  # resident children (leaf_only)
         self.version = [0] * n_blocks  # a list: bumped at every touch, read at every pop
         self.prio: dict[int, tuple] = {}
         self.size = 0
@@ -155,28 +155,31 @@ class PrefixCache:
         """
         if min_victim is not None and self.select_victim is not None:
             raise ValueError("min_victim needs the priority heap; this cache selects by hook")
-        if self.resident[b]:
+        res = self.resident
+        if res[b]:
             self.touch(b, prio)
             return True
         if self.capacity == 0:
             return False
-        has_parent = parent != ROOT and self.resident[parent]
+        has_parent = parent != ROOT and res[parent]
+        pin = self.leaf_only and has_parent
         if self.leaf_only and parent != ROOT and not has_parent:
             return False
-        if self.leaf_only and has_parent:
-            self.n_children[parent] += 1  # pins the parent while making room
+        kids = self.n_children
+        if pin:
+            kids[parent] += 1  # pins the parent while making room
         while self.size >= self.capacity:
             victim = self._next_victim(b)
             if victim is None or (min_victim is not None and self.prio[victim] >= min_victim):
-                if self.leaf_only and has_parent:
-                    self.n_children[parent] -= 1
-                    if self.n_children[parent] == 0:
+                if pin:
+                    kids[parent] -= 1
+                    if kids[parent] == 0:
                         self.touch(parent, self.prio[parent])  # its heap entry may be gone
                 return False
             self._evict(victim)
-        self.resident[b] = True
-        self.parent[b] = parent if has_parent else ROOT
-        self.n_children[b] = 0
+        res[b] = True
+        self.parent[b] = int(parent) if has_parent else ROOT
+        kids[b] = 0
         self.size += 1
         self.touch(b, prio)
         if self.on_insert is not None:
@@ -215,14 +218,16 @@ class PrefixCache:
     def _evict(self, b: int) -> None:
         if self.select_victim is None:
             heapq.heappop(self._heap)  # b is the heap's top (``_peek_victim``)
-        self.resident[b] = False
+        res = self.resident
+        res[b] = False
         self.version[b] += 1
         self.size -= 1
         self.evictions += 1
-        p = int(self.parent[b])
-        if self.leaf_only and p != ROOT and self.resident[p]:
-            self.n_children[p] -= 1
-            if self.n_children[p] == 0:
+        p = self.parent[b]
+        if self.leaf_only and p != ROOT and res[p]:
+            kids = self.n_children
+            kids[p] -= 1
+            if kids[p] == 0:
                 self.touch(p, self.prio[p])  # became a leaf: eligible again
         if self.on_evict is not None:
             self.on_evict(b)

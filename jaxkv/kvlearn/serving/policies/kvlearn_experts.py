@@ -453,7 +453,7 @@ class ExpertKVLearn(BlockKVLearn):
         ghosts.move_to_end(b)
         while len(ghosts) > self.xcfg.history * max(self.capacity, 1):
             ghosts.popitem(last=False)
-        p = int(self.cache.parent[b])
+        p = self.cache.parent[b]
         if p != ROOT and self.cache.resident[p] and self.cache.n_children[p] == 0:
             self._push(p)  # a leaf again: eligible in every expert's heap
             if self.follow:
@@ -469,12 +469,15 @@ class ExpertKVLearn(BlockKVLearn):
                 sh.store(self.request_blocks[i], i)
 
     def on_insert(self, b: int) -> None:
+        xs = self.xs
         self._push(b)
-        for ghosts in self.xs.ghosts:
+        for ghosts in xs.ghosts:
             ghosts.pop(b, None)
-        if self.follow:
-            for k in self.shadow_of:
-                self._orphan(k, b)
+        if self.follow:  # ``_orphan`` for every shadow, inlined: b is resident here
+            for k, sh in self.shadow_of.items():
+                if not sh.cache.resident[b]:
+                    xs.n_orphan += 1
+                    heapq.heappush(xs.orphans[k], (xs.n_orphan, b))
 
     def on_access(self, blocks, hit, i, now):
         super().on_access(blocks, hit, i, now)
