@@ -83,8 +83,12 @@ def simulate(
     (optional) is told the number of requests replayed, every few hundred."""
     pol = policies_lib.make_policy(policy, trace, cost, pool_blocks=cfg.pool_blocks, **policy_kw)
     cap = pol.capacity
+    hears = type(pol).on_evict is not BlockPolicy.on_evict  # the default does nothing
     cache = PrefixCache(
-        cap, n_blocks=trace.n_blocks, leaf_only=pol.leaf_only, on_evict=pol.on_evict
+        cap,
+        n_blocks=trace.n_blocks,
+        leaf_only=pol.leaf_only,
+        on_evict=pol.on_evict if hears else None,
     )
     pol.attach(cache)
     n = len(trace)

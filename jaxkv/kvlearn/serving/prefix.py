@@ -38,7 +38,7 @@ from collections.abc import Callable
 import numpy as np
 
 ROOT = -1
-_COMPACT_SLACK = 4096  # stale heap entries tolerated beyond one per resident block
+_COMPACT_SLACK = 1024  # stale heap entries tolerated beyond a quarter of the resident blocks
 
 
 class PrefixCache:
@@ -121,7 +121,7 @@ class PrefixCache:
                 heapq.heappush(self._heap, (*prio, ver, int(b)))
             else:
                 self._push_odd(prio, ver, int(b))
-            if len(self._heap) > 2 * self.size + _COMPACT_SLACK:
+            if len(self._heap) > self.size + (self.size >> 2) + _COMPACT_SLACK:
                 self._compact()
 
     def _push_odd(self, prio: tuple, ver: int, b: int) -> None:
@@ -169,7 +169,7 @@ class PrefixCache:
         if pin:
             kids[parent] += 1  # pins the parent while making room
         while self.size >= self.capacity:
-            victim = self._next_victim(b)
+            victim = self._peek_victim() if self.select_victim is None else self._next_victim(b)
             if victim is None or (min_victim is not None and self.prio[victim] >= min_victim):
                 if pin:
                     kids[parent] -= 1

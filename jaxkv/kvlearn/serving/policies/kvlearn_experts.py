@@ -114,7 +114,7 @@ BASELINES = {
     "s3fifo": S3FIFO,
 }
 """The classical block policies a guard can run in a shadow pool (``baselines``)."""
-_COMPACT_SLACK = 4096  # stale entries an expert heap may hold beyond one per resident block
+_COMPACT_SLACK = 1024  # stale entries an expert heap may hold beyond a quarter of the pool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -343,7 +343,7 @@ class ExpertKVLearn(BlockKVLearn):
         tick, ver = int(xs.tick_P[b]), int(xs.version_P[b])
         for k, h in enumerate(xs.heaps):
             heapq.heappush(h, (float(xs.value_EP[k, b]), tick, ver, b))
-        if len(xs.heaps[0]) > 2 * self.cache.size + _COMPACT_SLACK:
+        if len(xs.heaps[0]) > self.cache.size + (self.cache.size >> 2) + _COMPACT_SLACK:
             self._compact()
 
     def _compact(self) -> None:
@@ -545,6 +545,8 @@ class ShadowPolicy:
         self.pol = policy
         self.on_evict = None
         """Called with each block this shadow evicts (the guard's ``follow`` hook)."""
+        hears = type(policy).on_evict is not BlockPolicy.on_evict  # the default does nothing
+        self._pol_evict = policy.on_evict if hears else None
         self.cache = PrefixCache(
             policy.capacity, n_blocks=n_blocks, leaf_only=policy.leaf_only, on_evict=self._evicted
         )
@@ -553,7 +555,8 @@ class ShadowPolicy:
         """Request → its hit here, until the request is stored."""
 
     def _evicted(self, b: int) -> None:
-        self.pol.on_evict(b)
+        if self._pol_evict is not None:
+            self._pol_evict(b)
         if self.on_evict is not None:
             self.on_evict(b)
 
