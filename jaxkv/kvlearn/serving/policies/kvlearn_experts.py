@@ -304,6 +304,8 @@ class ExpertKVLearn(BlockKVLearn):
         self.xs = ExpertState.empty(len(self.xcfg.experts), trace.n_blocks, n_base)
         self.rng = np.random.default_rng(self.cfg.seed)
         self.gd_experts = [k for k, e in enumerate(self.xcfg.experts) if e in ("gd", "gdsf")]
+        self.ghost_limit = self.xcfg.history * max(self.capacity, 1)
+        """Blocks each expert's ghost history keeps."""
         self.block_save_P = block_saving_ms(trace, cost)
         shadows = self.xcfg.choice == "shadow" and len(self.xcfg.experts) > 1
         self.shadow_of: dict[int, ShadowPool | ShadowPolicy] = {
@@ -408,10 +410,15 @@ class ExpertKVLearn(BlockKVLearn):
         xs.tick_P[b] = xs.tick
         xs.version_P[b] += 1
         xs.freq_P[b] = xs.freq_P[b] + 1 if resident else 1
-        for k, e in enumerate(self.xcfg.experts):
-            xs.value_EP[k, b] = self._value(e, k, b, j)
-        if resident:  # an incoming block is pushed once resident (``on_insert``)
-            self._push(b)
+        values = [self._value(e, k, b, j) for k, e in enumerate(self.xcfg.experts)]
+        for k, v in enumerate(values):
+            xs.value_EP[k, b] = v
+        if resident:  # an incoming block is pushed once resident (``on_insert``); ``_push``:
+            ver = int(xs.version_P[b])
+            for h, v in zip(xs.heaps, values, strict=True):
+                heapq.heappush(h, (v, xs.tick, ver, b))
+            if len(xs.heaps[0]) > self.cache.size + (self.cache.size >> 2) + _COMPACT_SLACK:
+                self._compact()
         return (xs.tick,)  # the cache keeps it but selects victims through ``victim``
 
     def gate(self, b, i, j, now):
@@ -451,7 +458,7 @@ class ExpertKVLearn(BlockKVLearn):
         ghosts = xs.ghosts[k]
         ghosts[b] = xs.t
         ghosts.move_to_end(b)
-        while len(ghosts) > self.xcfg.history * max(self.capacity, 1):
+        while len(ghosts) > self.ghost_limit:
             ghosts.popitem(last=False)
         p = self.cache.parent[b]
         if p != ROOT and self.cache.resident[p] and self.cache.n_children[p] == 0:
