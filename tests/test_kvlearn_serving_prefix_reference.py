@@ -124,7 +124,7 @@ def test_prefix_cache_matches_a_scanning_reference(leaf_only, prio_len, mixed_at
         assert set(np.flatnonzero(cache.resident).tolist()) == ref.resident, f"op {t}"
         longest = max(longest, len(cache._heap))
     assert evicted == ref.evicted and cache.evictions == len(ref.evicted) > 1000
-    assert longest <= cap + cap // 4 + 1025  # compacted as it went (stale entries pile up)
+    assert longest <= cap + cap // 2 + 1025  # compacted as it went (stale entries pile up)
 
 
 # ---- decisions pinned -------------------------------------------------------------------------

@@ -14,12 +14,12 @@ resident descendants.
 
 Priorities are tuples compared lexicographically (lower = evicted first), computed by the
 policy when a block is touched and kept in a lazy heap (stale entries are skipped by version).
-A heap entry is the priority's items followed by (version, block), one flat tuple (a nested
-``(prio, version, block)`` compares the same when every priority has the same length, at half
-the cost of a heap operation); a cache that is given priorities of another length switches to
+A heap entry is the priority's items followed by (version, block), one flat tuple (it compares
+like the nested ``(prio, version, block)`` when every priority has the same length, at about
+half the cost of a heap operation); a cache given priorities of another length switches to
 nested entries once, for good. Stale entries never become current again (versions only grow),
-so the heap is rebuilt without them when they outnumber the live ones: the same victims, a
-smaller heap.
+so the heap is rebuilt without them when they exceed half the resident blocks (``_compact``):
+the same victims from a smaller heap.
 A policy whose order is not one priority per block (ARC's lists, S3-FIFO's queues, W-TinyLFU's
 window and admission duel) selects victims itself instead: ``bind(select_victim=...)`` replaces
 the heap (no entries are pushed then), and the cache calls ``select_victim(incoming)`` each time
@@ -38,7 +38,8 @@ from collections.abc import Callable
 import numpy as np
 
 ROOT = -1
-_COMPACT_SLACK = 1024  # stale heap entries tolerated beyond a quarter of the resident blocks
+_COMPACT_SHIFT = 1  # compact the heap when its stale entries exceed 2^-shift of the live ones
+_COMPACT_SLACK = 1024  # (plus this many)
 
 
 class PrefixCache:
@@ -121,7 +122,7 @@ class PrefixCache:
                 heapq.heappush(self._heap, (*prio, ver, int(b)))
             else:
                 self._push_odd(prio, ver, int(b))
-            if len(self._heap) > self.size + (self.size >> 2) + _COMPACT_SLACK:
+            if len(self._heap) > self.size + (self.size >> _COMPACT_SHIFT) + _COMPACT_SLACK:
                 self._compact()
 
     def _push_odd(self, prio: tuple, ver: int, b: int) -> None:

@@ -114,7 +114,8 @@ BASELINES = {
     "s3fifo": S3FIFO,
 }
 """The classical block policies a guard can run in a shadow pool (``baselines``)."""
-_COMPACT_SLACK = 1024  # stale entries an expert heap may hold beyond a quarter of the pool
+_COMPACT_SHIFT = 1  # compact the expert heaps when stale entries exceed 2^-shift of the pool
+_COMPACT_SLACK = 1024  # (plus this many)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -345,7 +346,10 @@ class ExpertKVLearn(BlockKVLearn):
         tick, ver = int(xs.tick_P[b]), int(xs.version_P[b])
         for k, h in enumerate(xs.heaps):
             heapq.heappush(h, (float(xs.value_EP[k, b]), tick, ver, b))
-        if len(xs.heaps[0]) > self.cache.size + (self.cache.size >> 2) + _COMPACT_SLACK:
+        if (
+            len(xs.heaps[0])
+            > self.cache.size + (self.cache.size >> _COMPACT_SHIFT) + _COMPACT_SLACK
+        ):
             self._compact()
 
     def _compact(self) -> None:
@@ -417,7 +421,10 @@ class ExpertKVLearn(BlockKVLearn):
             ver = int(xs.version_P[b])
             for h, v in zip(xs.heaps, values, strict=True):
                 heapq.heappush(h, (v, xs.tick, ver, b))
-            if len(xs.heaps[0]) > self.cache.size + (self.cache.size >> 2) + _COMPACT_SLACK:
+            if (
+                len(xs.heaps[0])
+                > self.cache.size + (self.cache.size >> _COMPACT_SHIFT) + _COMPACT_SLACK
+            ):
                 self._compact()
         return (xs.tick,)  # the cache keeps it but selects victims through ``victim``
 
