@@ -83,8 +83,12 @@ def simulate(
     (optional) is told the number of requests replayed, every few hundred."""
     pol = policies_lib.make_policy(policy, trace, cost, pool_blocks=cfg.pool_blocks, **policy_kw)
     cap = pol.capacity
+    hears = type(pol).on_evict is not BlockPolicy.on_evict  # the default does nothing
     cache = PrefixCache(
-        cap, n_blocks=trace.n_blocks, leaf_only=pol.leaf_only, on_evict=pol.on_evict
+        cap,
+        n_blocks=trace.n_blocks,
+        leaf_only=pol.leaf_only,
+        on_evict=pol.on_evict if hears else None,
     )
     pol.attach(cache)
     n = len(trace)
@@ -104,8 +108,8 @@ def simulate(
         blk = trace.blocks[i]
         hit = cache.match(blk) if cap else 0
         pol.on_access(blk, hit, i, start)
-        for j in range(hit):
-            cache.touch(int(blk[j]), pol.prio(int(blk[j]), i, j, start))
+        for j, b in enumerate(np.asarray(blk[:hit]).tolist()):
+            cache.touch(b, pol.prio(b, i, j, start))
         n_tok = int(trace.input_len[i])
         c_tok = int(trace.block_tokens_of(i)[:hit].sum())
         service = _service_ms(cost, n_tok, c_tok)
@@ -172,24 +176,23 @@ def offer(cache: PrefixCache, pol: BlockPolicy, trace: MooncakeTrace, i, hit, re
     each is admitted if the policy's gate and the cache agree (``counts`` and
     ``rec["admitted_tokens"]`` record the outcome)."""
     pol.on_offer(i)
-    blk, tok = trace.blocks[i], trace.block_tokens_of(i)
+    blk, tok = np.asarray(trace.blocks[i]).tolist(), trace.block_tokens_of(i)
     now = float(rec["start_s"][i] + rec["service_ms"][i] / 1e3)
-    parent = int(blk[hit - 1]) if hit else ROOT
+    parent = blk[hit - 1] if hit else ROOT
+    resident, leaf_only, prio = cache.resident, cache.leaf_only, pol.prio
     for j in range(hit, len(blk)):
-        b = int(blk[j])
-        ok = cache.capacity > 0 and not (
-            cache.leaf_only and parent != ROOT and not cache.resident[parent]
-        )
-        if ok and not cache.resident[b]:
+        b = blk[j]
+        ok = cache.capacity > 0 and not (leaf_only and parent != ROOT and not resident[parent])
+        if ok and not resident[b]:
             admit, min_victim = pol.gate(b, i, j, now)
-            ok = admit and cache.insert(b, parent, pol.prio(b, i, j, now), min_victim=min_victim)
+            ok = admit and cache.insert(b, parent, prio(b, i, j, now), min_victim=min_victim)
             if ok:
                 counts["admits"] += 1
                 rec["admitted_tokens"][i] += int(tok[j])
         elif ok:
-            cache.touch(b, pol.prio(b, i, j, now))
+            cache.touch(b, prio(b, i, j, now))
         if not ok:
-            counts["discards"] += len(blk) - j if cache.leaf_only else 1
-            if cache.leaf_only:
+            counts["discards"] += len(blk) - j if leaf_only else 1
+            if leaf_only:
                 return
         parent = b

@@ -14,6 +14,12 @@ resident descendants.
 
 Priorities are tuples compared lexicographically (lower = evicted first), computed by the
 policy when a block is touched and kept in a lazy heap (stale entries are skipped by version).
+A heap entry is the priority's items followed by (version, block), one flat tuple (it compares
+like the nested ``(prio, version, block)`` when every priority has the same length, at about
+half the cost of a heap operation); a cache given priorities of another length switches to
+nested entries once, for good. Stale entries never become current again (versions only grow),
+so the heap is rebuilt without them when they exceed half the resident blocks (``_compact``):
+the same victims from a smaller heap.
 A policy whose order is not one priority per block (ARC's lists, S3-FIFO's queues, W-TinyLFU's
 window and admission duel) selects victims itself instead: ``bind(select_victim=...)`` replaces
 the heap (no entries are pushed then), and the cache calls ``select_victim(incoming)`` each time
@@ -32,6 +38,8 @@ from collections.abc import Callable
 import numpy as np
 
 ROOT = -1
+_COMPACT_SHIFT = 1  # compact the heap when its stale entries exceed 2^-shift of the live ones
+_COMPACT_SLACK = 1024  # (plus this many)
 
 
 class PrefixCache:
@@ -45,10 +53,10 @@ class PrefixCache:
 
     ``select_victim`` and ``on_insert`` are the policy's hooks (None until it ``bind``s them).
 
-    Attributes (``[P]`` arrays over block ids): ``resident``, ``parent`` (ROOT for a first
-    block), ``n_children`` (resident children), ``version`` (heap entries older than it are
-    stale); ``prio`` (block → priority of its newest heap entry), ``size`` (resident blocks)
-    and ``evictions`` (so far).
+    Attributes (over block ids): ``resident`` ([P] bool array); ``parent`` (ROOT for a first
+    block), ``n_children`` (resident children) and ``version`` (heap entries older than it are
+    stale), [P] lists (read and written block by block); ``prio`` (block → priority of its
+    newest heap entry), ``size`` (resident blocks) and ``evictions`` (so far).
     """
 
     def __init__(
@@ -64,9 +72,9 @@ class PrefixCache:
         self.capacity = int(capacity)
         self.leaf_only = leaf_only
         self.resident = np.zeros(n_blocks, bool)
-        self.parent = np.full(n_blocks, ROOT, np.int64)
-        self.n_children = np.zeros(n_blocks, np.int64)  # resident children (leaf_only)
-        self.version = np.zeros(n_blocks, np.int64)
+        self.parent = [ROOT] * n_blocks
+        self.n_children = [0] * n_blocks  # resident children (leaf_only)
+        self.version = [0] * n_blocks  # a list: bumped at every touch, read at every pop
         self.prio: dict[int, tuple] = {}
         self.size = 0
         self.evictions = 0
@@ -74,6 +82,7 @@ class PrefixCache:
         self.select_victim: Callable[[int], int | None] | None = None
         self.on_insert: Callable[[int], None] | None = None
         self._heap: list[tuple] = []
+        self._prio_len: int | None = None  # of every priority so far (None: none yet; -1: mixed)
 
     def bind(
         self,
@@ -105,10 +114,38 @@ class PrefixCache:
     # ---- updates --------------------------------------------------------------------------
     def touch(self, b: int, prio: tuple) -> None:
         """Sets a resident block's priority."""
-        self.version[b] += 1
+        ver = self.version[b] + 1
+        self.version[b] = ver
         self.prio[b] = prio
         if self.select_victim is None:
-            heapq.heappush(self._heap, (prio, int(self.version[b]), int(b)))
+            if len(prio) == self._prio_len:
+                heapq.heappush(self._heap, (*prio, ver, int(b)))
+            else:
+                self._push_odd(prio, ver, int(b))
+            if len(self._heap) > self.size + (self.size >> _COMPACT_SHIFT) + _COMPACT_SLACK:
+                self._compact()
+
+    def _push_odd(self, prio: tuple, ver: int, b: int) -> None:
+        """Pushes an entry whose priority is the first, or of a new length: from then on the
+        heap holds nested ``(prio, version, block)`` entries (see the module docstring)."""
+        h = self._heap
+        if self._prio_len is None:
+            self._prio_len = len(prio)
+            heapq.heappush(h, (*prio, ver, b))
+            return
+        if self._prio_len != -1:  # a second length: nest what is there, once
+            n = self._prio_len
+            self._heap = h = [(e[:n], e[n], e[n + 1]) for e in h]
+            heapq.heapify(h)
+            self._prio_len = -1
+        heapq.heappush(h, (prio, ver, b))
+
+    def _compact(self) -> None:
+        """Drops the stale entries (never current again) and re-heapifies: every pop that
+        returns a block returns the same one, on a heap of the live entries only."""
+        res, ver = self.resident, self.version
+        self._heap = h = [e for e in self._heap if res[e[-1]] and e[-2] == ver[e[-1]]]
+        heapq.heapify(h)
 
     def insert(self, b: int, parent: int, prio: tuple, *, min_victim: tuple | None = None) -> bool:
         """Admits block ``b`` under ``parent`` (ROOT for a first block), evicting as needed.
@@ -119,28 +156,31 @@ class PrefixCache:
         """
         if min_victim is not None and self.select_victim is not None:
             raise ValueError("min_victim needs the priority heap; this cache selects by hook")
-        if self.resident[b]:
+        res = self.resident
+        if res[b]:
             self.touch(b, prio)
             return True
         if self.capacity == 0:
             return False
-        has_parent = parent != ROOT and self.resident[parent]
+        has_parent = parent != ROOT and res[parent]
+        pin = self.leaf_only and has_parent
         if self.leaf_only and parent != ROOT and not has_parent:
             return False
-        if self.leaf_only and has_parent:
-            self.n_children[parent] += 1  # pins the parent while making room
+        kids = self.n_children
+        if pin:
+            kids[parent] += 1  # pins the parent while making room
         while self.size >= self.capacity:
-            victim = self._next_victim(b)
+            victim = self._peek_victim() if self.select_victim is None else self._next_victim(b)
             if victim is None or (min_victim is not None and self.prio[victim] >= min_victim):
-                if self.leaf_only and has_parent:
-                    self.n_children[parent] -= 1
-                    if self.n_children[parent] == 0:
+                if pin:
+                    kids[parent] -= 1
+                    if kids[parent] == 0:
                         self.touch(parent, self.prio[parent])  # its heap entry may be gone
                 return False
             self._evict(victim)
-        self.resident[b] = True
-        self.parent[b] = parent if has_parent else ROOT
-        self.n_children[b] = 0
+        res[b] = True
+        self.parent[b] = int(parent) if has_parent else ROOT
+        kids[b] = 0
         self.size += 1
         self.touch(b, prio)
         if self.on_insert is not None:
@@ -165,11 +205,12 @@ class PrefixCache:
         return v
 
     def _peek_victim(self) -> int | None:
-        h = self._heap
+        h, res, ver, kids = self._heap, self.resident, self.version, self.n_children
         while h:
-            prio, ver, b = h[0]
-            if self.resident[b] and ver == self.version[b]:
-                if not self.leaf_only or self.n_children[b] == 0:
+            e = h[0]
+            b = e[-1]
+            if res[b] and e[-2] == ver[b]:
+                if not self.leaf_only or kids[b] == 0:
                     return b
                 # an inner node: dropped now, re-pushed when its last child leaves
             heapq.heappop(h)
@@ -178,14 +219,16 @@ class PrefixCache:
     def _evict(self, b: int) -> None:
         if self.select_victim is None:
             heapq.heappop(self._heap)  # b is the heap's top (``_peek_victim``)
-        self.resident[b] = False
+        res = self.resident
+        res[b] = False
         self.version[b] += 1
         self.size -= 1
         self.evictions += 1
-        p = int(self.parent[b])
-        if self.leaf_only and p != ROOT and self.resident[p]:
-            self.n_children[p] -= 1
-            if self.n_children[p] == 0:
+        p = self.parent[b]
+        if self.leaf_only and p != ROOT and res[p]:
+            kids = self.n_children
+            kids[p] -= 1
+            if kids[p] == 0:
                 self.touch(p, self.prio[p])  # became a leaf: eligible again
         if self.on_evict is not None:
             self.on_evict(b)

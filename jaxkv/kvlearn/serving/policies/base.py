@@ -73,7 +73,8 @@ class BlockPolicy:
         ``selects_victims``, ``victim`` to it. (The policy reads the pool; only a policy whose
         priority depends on what room-making changed re-``touch``es a block it inserted.)"""
         victim = self.victim if self.selects_victims else None
-        cache.bind(select_victim=victim, on_insert=self.on_insert)
+        hears = type(self).on_insert is not BlockPolicy.on_insert  # the default does nothing
+        cache.bind(select_victim=victim, on_insert=self.on_insert if hears else None)
 
 
 def block_saving_ms(trace: MooncakeTrace, cost: CostModel) -> np.ndarray:

@@ -66,6 +66,8 @@ from jaxkv.kvlearn.serving.predictors import BlockPredictor, DeferredPRP, Logist
 from jaxkv.kvlearn.serving.prefix import PrefixCache
 from jaxkv.kvlearn.traces import MooncakeTrace
 
+_BY_LENGTH = [0, 1, 2, 12, 15]  # feature columns that depend on the request's length alone
+
 
 @dataclasses.dataclass(frozen=True)
 class BlockKVLearnConfig:
@@ -197,6 +199,7 @@ class BlockKVLearn(BlockPolicy):
         self.costs = DepthCosts.of(trace, cost, write_cost=self.cfg.write_cost)
         self.state = BlockKVLearnState.empty(trace.n_blocks, horizon=self.cfg.horizon_min)
         self.cache: PrefixCache | None = None
+        self._length_features: dict[int, np.ndarray] = {}  # m → ``_by_length(m)``
         self.pred: BlockPredictor = (
             DeferredPRP(seed=self.cfg.seed)
             if self.cfg.predictor == "mlp"
@@ -208,32 +211,37 @@ class BlockKVLearn(BlockPolicy):
         """[m, I] features of request i's m blocks (see the module docstring)."""
         st = self.state
         m = len(blocks)
-        j = np.arange(m)
+        x_BI = np.empty((m, N_FEATURES))  # float64 columns, rounded to float32 once at the end
+        x_BI[:, _BY_LENGTH] = self._by_length(m)
         cnt = st.count_P[blocks]
         seen = np.cumprod(cnt > 0)  # prefix of blocks seen before (ghost history)
         since = np.where(st.last_req_P[blocks] >= 0, i - st.last_req_P[blocks], -1)
         parent_cnt = np.concatenate([[0], cnt[:-1]])
-        return np.stack(
-            [
-                np.log1p(j),
-                np.log1p(m - 1 - j),
-                (j == m - 1),
-                np.log1p(cnt),
-                cnt == 0,
-                np.log1p(np.maximum(since, 0)) * (since >= 0),
-                np.log1p(np.maximum(st.gap_P[blocks], 0)) * (st.gap_P[blocks] >= 0),
-                j < hit,
-                seen,
-                np.log1p(st.n_child_P[blocks]),
-                np.full(m, hit / m),
-                np.full(m, seen.sum() / m),
-                np.full(m, np.log1p(m)),
-                np.log1p(parent_cnt),
-                np.log1p(st.ghost_P[blocks]),
-                self.costs.log_save[j],
-            ],
-            axis=1,
-        ).astype(np.float32)
+        gap = st.gap_P[blocks]
+        x_BI[:, 3] = np.log1p(cnt)
+        x_BI[:, 4] = cnt == 0
+        x_BI[:, 5] = np.log1p(np.maximum(since, 0)) * (since >= 0)
+        x_BI[:, 6] = np.log1p(np.maximum(gap, 0)) * (gap >= 0)
+        x_BI[:, 7] = np.arange(m) < hit
+        x_BI[:, 8] = seen
+        x_BI[:, 9] = np.log1p(st.n_child_P[blocks])
+        x_BI[:, 10] = hit / m
+        x_BI[:, 11] = seen.sum() / m
+        x_BI[:, 13] = np.log1p(parent_cnt)
+        x_BI[:, 14] = np.log1p(st.ghost_P[blocks])
+        return x_BI.astype(np.float32)
+
+    def _by_length(self, m: int) -> np.ndarray:
+        """[m, 5] the features that depend on the request's length alone (``_BY_LENGTH``:
+        depth, distance to the end, last block, length, marginal saving), computed once per
+        length."""
+        out = self._length_features.get(m)
+        if out is None:
+            j = np.arange(m)
+            cols = [np.log1p(j), np.log1p(m - 1 - j), (j == m - 1)]
+            cols += [np.full(m, np.log1p(m)), self.costs.log_save[j]]
+            out = self._length_features[m] = np.stack(cols, axis=1).astype(np.float64)
+        return out
 
     def _label(self, bs: np.ndarray, y: float) -> None:
         """Closes the open windows of blocks ``bs`` with label y (features from their opening)."""

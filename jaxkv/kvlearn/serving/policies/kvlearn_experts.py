@@ -114,6 +114,8 @@ BASELINES = {
     "s3fifo": S3FIFO,
 }
 """The classical block policies a guard can run in a shadow pool (``baselines``)."""
+_COMPACT_SHIFT = 1  # compact the expert heaps when stale entries exceed 2^-shift of the pool
+_COMPACT_SLACK = 1024  # (plus this many)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -303,6 +305,8 @@ class ExpertKVLearn(BlockKVLearn):
         self.xs = ExpertState.empty(len(self.xcfg.experts), trace.n_blocks, n_base)
         self.rng = np.random.default_rng(self.cfg.seed)
         self.gd_experts = [k for k, e in enumerate(self.xcfg.experts) if e in ("gd", "gdsf")]
+        self.ghost_limit = self.xcfg.history * max(self.capacity, 1)
+        """Blocks each expert's ghost history keeps."""
         self.block_save_P = block_saving_ms(trace, cost)
         shadows = self.xcfg.choice == "shadow" and len(self.xcfg.experts) > 1
         self.shadow_of: dict[int, ShadowPool | ShadowPolicy] = {
@@ -339,16 +343,32 @@ class ExpertKVLearn(BlockKVLearn):
 
     def _push(self, b: int) -> None:
         xs = self.xs
-        for k in range(len(xs.heaps)):
-            entry = (float(xs.value_EP[k, b]), int(xs.tick_P[b]), int(xs.version_P[b]), b)
-            heapq.heappush(xs.heaps[k], entry)
+        tick, ver = int(xs.tick_P[b]), int(xs.version_P[b])
+        for k, h in enumerate(xs.heaps):
+            heapq.heappush(h, (float(xs.value_EP[k, b]), tick, ver, b))
+        if (
+            len(xs.heaps[0])
+            > self.cache.size + (self.cache.size >> _COMPACT_SHIFT) + _COMPACT_SLACK
+        ):
+            self._compact()
+
+    def _compact(self) -> None:
+        """Drops the stale entries of every expert's heap (an entry is pushed only for a
+        resident block, and leaving the pool bumps its version, so a stale entry is never
+        current again) and re-heapifies: ``_lowest`` finds the same blocks in a smaller heap."""
+        xs, res = self.xs, self.cache.resident
+        ver = xs.version_P.tolist()
+        for k, h in enumerate(xs.heaps):
+            xs.heaps[k] = h = [e for e in h if res[e[3]] and e[2] == ver[e[3]]]
+            heapq.heapify(h)
 
     def _lowest(self, k: int) -> int | None:
         """Expert k's lowest resident leaf (stale and non-leaf entries are dropped)."""
-        h, xs, cache = self.xs.heaps[k], self.xs, self.cache
+        h, version, cache = self.xs.heaps[k], self.xs.version_P, self.cache
+        res, kids = cache.resident, cache.n_children
         while h:
             _, _, ver, b = h[0]
-            if cache.resident[b] and ver == xs.version_P[b] and cache.n_children[b] == 0:
+            if res[b] and ver == version[b] and kids[b] == 0:
                 return b
             heapq.heappop(h)  # a non-leaf is re-pushed when it becomes a leaf (``on_evict``)
         return None
@@ -389,14 +409,23 @@ class ExpertKVLearn(BlockKVLearn):
 
     def prio(self, b, i, j, now):
         xs = self.xs
+        resident = self.cache.resident[b]
         xs.tick += 1
         xs.tick_P[b] = xs.tick
         xs.version_P[b] += 1
-        xs.freq_P[b] = xs.freq_P[b] + 1 if self.cache.resident[b] else 1
-        for k, e in enumerate(self.xcfg.experts):
-            xs.value_EP[k, b] = self._value(e, k, b, j)
-        if self.cache.resident[b]:  # an incoming block is pushed once resident (``on_insert``)
-            self._push(b)
+        xs.freq_P[b] = xs.freq_P[b] + 1 if resident else 1
+        values = [self._value(e, k, b, j) for k, e in enumerate(self.xcfg.experts)]
+        for k, v in enumerate(values):
+            xs.value_EP[k, b] = v
+        if resident:  # an incoming block is pushed once resident (``on_insert``); ``_push``:
+            ver = int(xs.version_P[b])
+            for h, v in zip(xs.heaps, values, strict=True):
+                heapq.heappush(h, (v, xs.tick, ver, b))
+            if (
+                len(xs.heaps[0])
+                > self.cache.size + (self.cache.size >> _COMPACT_SHIFT) + _COMPACT_SLACK
+            ):
+                self._compact()
         return (xs.tick,)  # the cache keeps it but selects victims through ``victim``
 
     def gate(self, b, i, j, now):
@@ -436,9 +465,9 @@ class ExpertKVLearn(BlockKVLearn):
         ghosts = xs.ghosts[k]
         ghosts[b] = xs.t
         ghosts.move_to_end(b)
-        while len(ghosts) > self.xcfg.history * max(self.capacity, 1):
+        while len(ghosts) > self.ghost_limit:
             ghosts.popitem(last=False)
-        p = int(self.cache.parent[b])
+        p = self.cache.parent[b]
         if p != ROOT and self.cache.resident[p] and self.cache.n_children[p] == 0:
             self._push(p)  # a leaf again: eligible in every expert's heap
             if self.follow:
@@ -454,12 +483,15 @@ class ExpertKVLearn(BlockKVLearn):
                 sh.store(self.request_blocks[i], i)
 
     def on_insert(self, b: int) -> None:
+        xs = self.xs
         self._push(b)
-        for ghosts in self.xs.ghosts:
+        for ghosts in xs.ghosts:
             ghosts.pop(b, None)
-        if self.follow:
-            for k in self.shadow_of:
-                self._orphan(k, b)
+        if self.follow:  # ``_orphan`` for every shadow, inlined: b is resident here
+            for k, sh in self.shadow_of.items():
+                if not sh.cache.resident[b]:
+                    xs.n_orphan += 1
+                    heapq.heappush(xs.orphans[k], (xs.n_orphan, b))
 
     def on_access(self, blocks, hit, i, now):
         super().on_access(blocks, hit, i, now)
@@ -527,6 +559,8 @@ class ShadowPolicy:
         self.pol = policy
         self.on_evict = None
         """Called with each block this shadow evicts (the guard's ``follow`` hook)."""
+        hears = type(policy).on_evict is not BlockPolicy.on_evict  # the default does nothing
+        self._pol_evict = policy.on_evict if hears else None
         self.cache = PrefixCache(
             policy.capacity, n_blocks=n_blocks, leaf_only=policy.leaf_only, on_evict=self._evicted
         )
@@ -535,7 +569,8 @@ class ShadowPolicy:
         """Request → its hit here, until the request is stored."""
 
     def _evicted(self, b: int) -> None:
-        self.pol.on_evict(b)
+        if self._pol_evict is not None:
+            self._pol_evict(b)
         if self.on_evict is not None:
             self.on_evict(b)
 
@@ -544,8 +579,9 @@ class ShadowPolicy:
         c, pol = self.cache, self.pol
         hit = c.match(blocks) if c.capacity else 0
         pol.on_access(blocks, hit, i, now)
-        for j in range(hit):
-            c.touch(int(blocks[j]), pol.prio(int(blocks[j]), i, j, now))
+        touch, prio = c.touch, pol.prio
+        for j, b in enumerate(_ids(blocks[:hit])):
+            touch(b, prio(b, i, j, now))
         self.hits[i] = hit
         return hit
 
@@ -553,20 +589,27 @@ class ShadowPolicy:
         """Offers request i's blocks after its hit here, as ``engine.offer`` does."""
         c, pol = self.cache, self.pol
         hit = self.hits.pop(i)
-        parent = int(blocks[hit - 1]) if hit else ROOT
-        for j in range(hit, len(blocks) if c.capacity else 0):
-            b = int(blocks[j])
-            if c.leaf_only and parent != ROOT and not c.resident[parent]:
+        if not c.capacity:
+            return
+        blocks = _ids(blocks)
+        parent = blocks[hit - 1] if hit else ROOT
+        res, leaf_only, prio, gate = c.resident, c.leaf_only, pol.prio, pol.gate
+        for j in range(hit, len(blocks)):
+            b = blocks[j]
+            if leaf_only and parent != ROOT and not res[parent]:
                 return
-            if c.resident[b]:
-                c.touch(b, pol.prio(b, i, j, 0.0))
+            if res[b]:
+                c.touch(b, prio(b, i, j, 0.0))
             else:
-                admit, min_victim = pol.gate(b, i, j, 0.0)
-                if not (
-                    admit and c.insert(b, parent, pol.prio(b, i, j, 0.0), min_victim=min_victim)
-                ):
+                admit, min_victim = gate(b, i, j, 0.0)
+                if not (admit and c.insert(b, parent, prio(b, i, j, 0.0), min_victim=min_victim)):
                     return
             parent = b
+
+
+def _ids(blocks) -> list[int]:
+    """Block ids as Python ints (indexing a list beats indexing an array, block by block)."""
+    return blocks.tolist() if isinstance(blocks, np.ndarray) else [int(b) for b in blocks]
 
 
 def lead(score_E: np.ndarray, leader: int, *, margin: float) -> int:
