@@ -10,16 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from jaxkv.kvlearn.integrations import JAXKV_POLICIES
+
 ROOT = Path(__file__).resolve().parents[1]
 INTEGRATIONS = ROOT / "jaxkv" / "kvlearn" / "integrations"
-JAXKV_POLICIES = (
-    "JaxkvLRU",
-    "JaxkvARC",
-    "JaxkvCostAware",
-    "JaxkvGDSF",
-    "KVLearnCachePolicy",
-    "KVLearnGuardCachePolicy",
-)
 ALL_POLICIES = ("lru", "arc", *JAXKV_POLICIES)  # vLLM's own pass the same contract tests
 
 

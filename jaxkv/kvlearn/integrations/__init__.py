@@ -1,7 +1,8 @@
 """jaxkv inside other serving engines. Nothing here is imported by ``jaxkv`` itself.
 
-    vllm_policy   jaxkv's block policies (``lru``, ``arc``, ``kvlearn``) as vLLM KV-offload
-                  ``CachePolicy`` classes, loadable by vLLM through ``cache_policy_module_path``.
+    vllm_policy   jaxkv's block policies (``lru``, ``arc``, ``cost_aware``, ``gdsf``,
+                  ``kvlearn`` and its guard) as vLLM KV-offload ``CachePolicy`` classes,
+                  loadable by vLLM through ``cache_policy_module_path``.
     vllm_replay   a Mooncake trace replayed through vLLM's own ``CPUOffloadingManager``; the
                   call-by-call cross-check of jaxkv's ``lru``/``arc`` against vLLM's.
 
@@ -12,3 +13,12 @@ vLLM. Build the environment they need with ``scripts/vllm_env.sh`` (``.venv-vllm
 
 VLLM_POLICY_MODULE = "jaxkv.kvlearn.integrations.vllm_policy"
 """What vLLM's ``cache_policy_module_path`` names to load a policy of ``vllm_policy``."""
+JAXKV_POLICIES = (
+    "JaxkvLRU",
+    "JaxkvARC",
+    "JaxkvCostAware",
+    "JaxkvGDSF",
+    "KVLearnCachePolicy",
+    "KVLearnGuardCachePolicy",
+)
+"""jaxkv's vLLM cache policies, by class name in ``VLLM_POLICY_MODULE``."""

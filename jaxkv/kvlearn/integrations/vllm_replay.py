@@ -38,22 +38,13 @@ from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, make_o
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
 from jaxkv.kvlearn.cost import CostModel
-from jaxkv.kvlearn.integrations import VLLM_POLICY_MODULE
+from jaxkv.kvlearn.integrations import JAXKV_POLICIES, VLLM_POLICY_MODULE
 from jaxkv.kvlearn.serving.engine import ServingConfig, finish_record
 from jaxkv.kvlearn.serving.metrics import summarize
 from jaxkv.kvlearn.traces import MooncakeTrace
 
 VLLM_POLICIES = ("lru", "arc")
 """vLLM's own cache policies, by their registered names."""
-JAXKV_POLICIES = (
-    "JaxkvLRU",
-    "JaxkvARC",
-    "JaxkvCostAware",
-    "JaxkvGDSF",
-    "KVLearnCachePolicy",
-    "KVLearnGuardCachePolicy",
-)
-"""jaxkv's, by class name in ``VLLM_POLICY_MODULE``."""
 PEERS = {"lru": "JaxkvLRU", "arc": "JaxkvARC"}
 """Each vLLM policy and the jaxkv policy that must decide exactly as it does."""
 
