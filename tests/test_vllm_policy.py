@@ -118,14 +118,19 @@ def test_evict_refusal_is_atomic(name):
     assert _drain(a, keys) == _drain(b, keys)  # the refusal changed nothing
 
 
+def _pin(pol, key):
+    """A load in flight, as the manager's ``prepare_load`` marks it."""
+    pol.get(key).ref_cnt = 1
+    pol.mark_non_evictable(key)
+
+
 @pytest.mark.vllm
 @pytest.mark.parametrize("name", ALL_POLICIES)
 def test_evict_respects_protected_and_pinned(name):
     pol = _make(name, 64)
     keys = _script(pol, seed=2)
     pinned = keys[1]
-    pol.get(pinned).ref_cnt = 1
-    pol.mark_non_evictable(pinned)
+    _pin(pol, pinned)
     protected = set(keys[::3])
     n = len(set(keys) - protected - {pinned})
     got = pol.evict(n, protected)
@@ -165,8 +170,7 @@ def test_unpinned_chunks_are_evictable_again(name):
     pol = _make(name, 64)
     keys = _script(pol, seed=5)
     pinned = keys[0]
-    pol.get(pinned).ref_cnt = 1  # a load in flight (the manager's prepare_load)
-    pol.mark_non_evictable(pinned)
+    _pin(pol, pinned)
     got = pol.evict(len(keys) - 1, set())
     assert got is not None and pinned not in {k for k, _ in got}
     assert pol.evict(1, set()) is None

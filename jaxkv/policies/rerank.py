@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from jaxkv.policies import critical as critical_lib
 from jaxkv.policies import kvzip as kvzip_lib
 from jaxkv.policies.base import TIER, Policy
 
@@ -52,7 +53,7 @@ def rerank(inner: Policy) -> Policy:
     """kvzip's per-row allocation with ``inner``'s order within each row (module docstring)."""
     if not inner.evicts or inner.window_input not in (None, "reconstruction"):
         raise ValueError(f"rerank: needs an evicting cache-scoring policy, got {inner.name!r}")
-    if inner.name == kvzip_lib.NAME or inner.name.startswith(("critical:", PREFIX)):
+    if inner.name == kvzip_lib.NAME or inner.name.startswith((critical_lib.PREFIX, PREFIX)):
         raise ValueError(f"rerank: cannot wrap {inner.name!r}")
     if "prefill" not in inner.protocols:
         raise ValueError(f"rerank: {inner.name!r} does not run in the prefill protocol")

@@ -66,7 +66,7 @@ from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus, order
 from jaxkv.kvlearn.cost import CostModel
 from jaxkv.kvlearn.serving.policies.arc import ARC
 from jaxkv.kvlearn.serving.policies.base import BlockPolicy
-from jaxkv.kvlearn.serving.policies.kvlearn import BlockKVLearn, BlockKVLearnState
+from jaxkv.kvlearn.serving.policies.kvlearn import BlockKVLearn, BlockKVLearnState, DepthCosts
 from jaxkv.kvlearn.serving.policies.lru import LRUPool
 from jaxkv.kvlearn.serving.predictors import DeferredPRP, HostPRP
 from jaxkv.kvlearn.traces import BLOCK_TOKENS, MooncakeTrace
@@ -561,22 +561,14 @@ class JaxkvARC(CachePolicy):
 
 
 # ---- flat forms of the protocol's cost-aware baselines ----------------------------------------
-def depth_saving_ms(cost: CostModel, *, block_tokens: int, max_depth: int) -> np.ndarray:
-    """[max_depth + 1] s_j = R((j+1)·bt) − R(j·bt) − T(bt), floored at 0: what a hit on a chunk
-    at depth j saves (``BlockKVLearn``'s ``DepthCosts.save_ms``, from vLLM's key depths)."""
-    j = np.arange(max_depth + 2, dtype=np.float64)
-    r_j = np.asarray(cost.recompute_ms(j * block_tokens), np.float64)
-    t_blk = float(cost.transfer_ms(cost.footprint_bytes(block_tokens)))
-    return np.maximum(np.diff(r_j) - t_blk, 0.0)
-
-
 class _FlatValueCache(_HeapCachePolicy):
     """A heap policy whose priority is a value per chunk computed from the chunk's depth
     (``key_depths``) and its history, re-priced at every request that uses it, then raised to
     the largest value of the keys behind it in the request (``_price``, as
     ``KVLearnCachePolicy`` does): the flat pool's stand-in for the simulator's leaf-only
     eviction, so a head never goes before the deeper chunks that need it. Subclasses say what
-    a stored (``_stored``) and a reused (``_reused``) chunk is worth."""
+    a stored (``_stored``), a reused (``_reused``) and, at its request's finish, a just-stored
+    (``_inserted``) chunk is worth."""
 
     block_tokens: int = BLOCK_TOKENS
     cost_preset: str = "llama3-8b-a100"
@@ -585,9 +577,8 @@ class _FlatValueCache(_HeapCachePolicy):
     def __init__(self, cache_capacity: int):
         self.block_tokens = int(os.environ.get("JAXKV_KVLEARN_BLOCK_TOKENS", self.block_tokens))
         self.cost = CostModel.preset(os.environ.get("JAXKV_KVLEARN_COST", self.cost_preset))
-        self.save_ms = depth_saving_ms(
-            self.cost, block_tokens=self.block_tokens, max_depth=self.max_depth
-        )
+        shape = shape_trace(n_blocks=0, max_depth=self.max_depth, block_tokens=self.block_tokens)
+        self.save_ms = DepthCosts.of(shape, self.cost, write_cost=False).save_ms  # s_j
         super().__init__(cache_capacity)
         self.n_req = 0
         self._depth: dict[OffloadKey, int] = {}  # of keys seen in a store miss, until used
@@ -601,6 +592,12 @@ class _FlatValueCache(_HeapCachePolicy):
 
     def _reused(self, key: OffloadKey, j: int) -> float:
         raise NotImplementedError
+
+    def _inserted(self, key: OffloadKey, j: int) -> float:
+        return self._stored(key, j)
+
+    def _finished(self, keys: list) -> None:
+        self.n_req += 1
 
     def _reset(self) -> None:
         self.n_req = 0
@@ -624,7 +621,7 @@ class _FlatValueCache(_HeapCachePolicy):
         self._price(keys, req_context, insertion_only_keys)
         for key in keys:
             self._depth.pop(key, None)
-        self.n_req += 1
+        self._finished(keys)
 
     def _price(self, keys, req_context, inserted) -> None:
         depths = key_depths(keys, req_context, block_tokens=self.block_tokens)
@@ -633,7 +630,7 @@ class _FlatValueCache(_HeapCachePolicy):
             if key not in self.chunks:
                 continue
             j = min(j, self.max_depth)
-            v = self._stored(key, j) if key in inserted else self._reused(key, j)
+            v = self._inserted(key, j) if key in inserted else self._reused(key, j)
             run = v if run is None or v > run else run
             self._set(key, (run,))
 
@@ -641,7 +638,7 @@ class _FlatValueCache(_HeapCachePolicy):
 class JaxkvGDSF(_FlatValueCache):
     """The protocol's ``gdsf`` (GreedyDual-Size-Frequency, ``serving.policies.gdsf``) in vLLM's
     flat key space: H = L + F·s_j, F the chunk's uses since it was stored (the store counts 1),
-    s_j its saving at depth j (``depth_saving_ms``), L the priority of the last victim (never
+    s_j its saving at depth j (``DepthCosts.save_ms``), L the priority of the last victim (never
     decreasing); a chunk stored by a request is priced again when the request finishes (L may
     have risen while room was made, as the simulator's ``on_insert`` does)."""
 
@@ -684,24 +681,12 @@ class JaxkvCostAware(_FlatValueCache):
         self.log_mass[key] = m
         return math.log(max(float(self.save_ms[j]), 1e-12)) + m
 
-    def on_request_finished(self, key_groups, insertion_only_keys, reused_keys, req_context):
-        # a stored chunk's use was counted at its insert
-        keys = order_request_keys(key_groups, req_context)
-        run, depths = None, key_depths(keys, req_context, block_tokens=self.block_tokens)
-        for key, j in zip(reversed(keys), reversed(depths), strict=True):
-            if key not in self.chunks:
-                continue
-            j = min(j, self.max_depth)
-            if key in insertion_only_keys:
-                v = math.log(max(float(self.save_ms[j]), 1e-12)) + self.log_mass[key]
-            else:
-                v = self._reused(key, j)
-            run = v if run is None or v > run else run
-            self._set(key, (run,))
-        for key in keys:
-            self._depth.pop(key, None)
+    def _inserted(self, key, j):  # its use was counted at its insert
+        return math.log(max(float(self.save_ms[j]), 1e-12)) + self.log_mass[key]
+
+    def _finished(self, keys):
         self.n_keys += len(keys)
-        self.n_req += 1
+        super()._finished(keys)
 
 
 def _log_add_exp(a: float, x: float) -> float:
