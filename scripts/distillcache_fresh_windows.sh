@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The confirmation run of results/distillcache_fresh/PROTOCOL.md: the chosen DistillCache
+# policies and the heuristics on 8 BIG-Bench Hard windows no earlier run read (the second half
+# of the held-out text). Writes results/distillcache_fresh/<run>/fidelity.{md,json}; a finished
+# run is skipped (delete its folder to redo it). About an hour on 2 cores.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+py=${PYTHON:-.venv/bin/python}
+out=${OUT:-results/distillcache_fresh}
+text=runs/distillcache_fresh/heldout.txt
+mkdir -p "$(dirname "$text")" "$out"
+"$py" -c "
+from jaxkv.evals.runner import load_eval_model
+from jaxkv.rl.data import HELDOUT_DOMAIN, write_domain_text
+write_domain_text(HELDOUT_DOMAIN, '$text', tokenizer=load_eval_model('smollm2-135m').tokenizer)"
+common=(--text "$text" --heldout 0.5 --limit 8 --window 384 --prompt-len 256 --ratios 0.25,0.125)
+q2=rerank:ranker:ranker_kvzip_smollm2_cpu
+r1=ranker:ranker_kvzipres_smollm2_cpu
+heur=h2o,snapkv,tova,expected_attention,critical:h2o,streaming_llm,knorm
+run() {  # name, then fidelity flags
+  local name=$1; shift
+  if grep -qs '"complete": true' "$out/$name/fidelity.json"; then echo "skip $name (done)"; return; fi
+  "$py" -m jaxkv.eval fidelity "${common[@]}" "$@" --out "$out/$name"
+}
+run prefill_global --protocol prefill --granularity global \
+  --policies kvzip,$q2,$r1,ranker:ranker_global_smollm2_cpu,$heur,oracle
+run prefill_head --protocol prefill --granularity head \
+  --policies $heur,kvzip,ranker:ranker_smollm2_cpu,oracle
+run prefill_nocap --protocol prefill --granularity global --head-floor 0 --head-cap 8 \
+  --policies kvzip,$q2,$r1,oracle
+run decode_head --protocol decode --granularity head \
+  --policies ranker:ranker_smollm2_cpu,$heur,oracle
+run decode_global --protocol decode --granularity global \
+  --policies ranker:ranker_global_smollm2_cpu,critical:h2o,h2o,tova,oracle
