@@ -19,7 +19,9 @@ like the nested ``(prio, version, block)`` when every priority has the same leng
 half the cost of a heap operation); a cache given priorities of another length switches to
 nested entries once, for good. Stale entries never become current again (versions only grow),
 so the heap is rebuilt without them when they exceed half the resident blocks (``_compact``):
-the same victims from a smaller heap.
+the same victims from a smaller heap. An inner block (resident children, ``leaf_only``) is
+never a victim, so touching it pushes no entry: it is pushed when it becomes a leaf (the
+entries it would have had are dropped unread or stale by then).
 A policy whose order is not one priority per block (ARC's lists, S3-FIFO's queues, W-TinyLFU's
 window and admission duel) selects victims itself instead: ``bind(select_victim=...)`` replaces
 the heap (no entries are pushed then), and the cache calls ``select_victim(incoming)`` each time
@@ -113,11 +115,12 @@ class PrefixCache:
 
     # ---- updates --------------------------------------------------------------------------
     def touch(self, b: int, prio: tuple) -> None:
-        """Sets a resident block's priority."""
+        """Sets a resident block's priority (an inner block's entry waits until it is a leaf:
+        every path that makes it one, ``_evict`` and a refused ``insert``, re-touches it)."""
         ver = self.version[b] + 1
         self.version[b] = ver
         self.prio[b] = prio
-        if self.select_victim is None:
+        if self.select_victim is None and not self.n_children[b]:
             if len(prio) == self._prio_len:
                 heapq.heappush(self._heap, (*prio, ver, int(b)))
             else:
