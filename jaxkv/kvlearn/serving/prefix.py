@@ -19,7 +19,14 @@ like the nested ``(prio, version, block)`` when every priority has the same leng
 half the cost of a heap operation); a cache given priorities of another length switches to
 nested entries once, for good. Stale entries never become current again (versions only grow),
 so the heap is rebuilt without them when they exceed half the resident blocks (``_compact``):
-the same victims from a smaller heap.
+the same victims from a smaller heap. An inner block (resident children, ``leaf_only``) is
+never a victim, so touching it pushes no entry: it is pushed when it becomes a leaf (the
+entries it would have had are dropped unread or stale by then). For the same reason the entry
+of a block just stored (``leaf_only``) is held back until the heap is next read
+(``_peek_victim``) or another block is stored: a prefix stored block by block makes each of its
+blocks but the last inner at once, and those never enter the heap. A hook's re-touch of the
+stored block (``on_insert``) updates the held entry; the heap, when read, holds the same
+current entries as if every touch had pushed.
 A policy whose order is not one priority per block (ARC's lists, S3-FIFO's queues, W-TinyLFU's
 window and admission duel) selects victims itself instead: ``bind(select_victim=...)`` replaces
 the heap (no entries are pushed then), and the cache calls ``select_victim(incoming)`` each time
@@ -83,6 +90,7 @@ class PrefixCache:
         self.on_insert: Callable[[int], None] | None = None
         self._heap: list[tuple] = []
         self._prio_len: int | None = None  # of every priority so far (None: none yet; -1: mixed)
+        self._held = ROOT  # the stored leaf whose entry is not pushed yet (``insert``)
 
     def bind(
         self,
@@ -113,17 +121,21 @@ class PrefixCache:
 
     # ---- updates --------------------------------------------------------------------------
     def touch(self, b: int, prio: tuple) -> None:
-        """Sets a resident block's priority."""
+        """Sets a resident block's priority (an inner block's entry waits until it is a leaf:
+        every path that makes it one, ``_evict`` and a refused ``insert``, re-touches it)."""
         ver = self.version[b] + 1
         self.version[b] = ver
         self.prio[b] = prio
-        if self.select_victim is None:
-            if len(prio) == self._prio_len:
-                heapq.heappush(self._heap, (*prio, ver, int(b)))
-            else:
-                self._push_odd(prio, ver, int(b))
-            if len(self._heap) > self.size + (self.size >> _COMPACT_SHIFT) + _COMPACT_SLACK:
-                self._compact()
+        if self.select_victim is None and not self.n_children[b] and b != self._held:
+            self._push(prio, ver, int(b))
+
+    def _push(self, prio: tuple, ver: int, b: int) -> None:
+        if len(prio) == self._prio_len:
+            heapq.heappush(self._heap, (*prio, ver, b))
+        else:
+            self._push_odd(prio, ver, b)
+        if len(self._heap) > self.size + (self.size >> _COMPACT_SHIFT) + _COMPACT_SLACK:
+            self._compact()
 
     def _push_odd(self, prio: tuple, ver: int, b: int) -> None:
         """Pushes an entry whose priority is the first, or of a new length: from then on the
@@ -182,10 +194,30 @@ class PrefixCache:
         self.parent[b] = int(parent) if has_parent else ROOT
         kids[b] = 0
         self.size += 1
-        self.touch(b, prio)
-        if self.on_insert is not None:
-            self.on_insert(b)
+        if pin and parent == self._held:
+            self._held = ROOT  # an inner block now: its entry would never be read
+        ver = self.version[b] + 1  # ``touch``, without the push:
+        self.version[b] = ver
+        self.prio[b] = prio
+        hook = self.on_insert
+        if self.leaf_only and self.select_victim is None:
+            if self._held != ROOT:
+                self._flush_held()
+            self._held = int(b)  # b's entry waits: a prefix's next block makes b inner at once
+            if hook is not None:
+                hook(b)  # (a re-touch of b keeps it held)
+            return True
+        if hook is not None:
+            hook(b)
+        if self.select_victim is None and self.version[b] == ver:  # not re-touched by the hook
+            self._push(prio, ver, int(b))
         return True
+
+    def _flush_held(self) -> None:
+        """Pushes the held block's entry (its current priority and version) if it is a leaf."""
+        b, self._held = self._held, ROOT
+        if self.resident[b] and not self.n_children[b]:
+            self._push(self.prio[b], self.version[b], b)
 
     def peek_victim_prio(self) -> tuple | None:
         """Priority of the block that would be evicted next (None if none is eligible)."""
@@ -205,6 +237,9 @@ class PrefixCache:
         return v
 
     def _peek_victim(self) -> int | None:
+        held = self._held
+        if held != ROOT and not self.n_children[held]:  # (a pinned parent stays held)
+            self._flush_held()
         h, res, ver, kids = self._heap, self.resident, self.version, self.n_children
         while h:
             e = h[0]

@@ -87,8 +87,13 @@ def block_saving_ms(trace: MooncakeTrace, cost: CostModel) -> np.ndarray:
         return out
     bt = trace.block_tokens
     ids = np.concatenate(trace.blocks)
-    start = np.concatenate([np.arange(len(b)) * bt for b in trace.blocks]).astype(np.float64)
-    tok = np.concatenate([trace.block_tokens_of(i) for i in range(len(trace))]).astype(np.float64)
+    n_B = np.array([len(b) for b in trace.blocks], np.int64)  # B: requests
+    end_B = np.cumsum(n_B)
+    depth = np.arange(len(ids)) - np.repeat(end_B - n_B, n_B)  # j of each block in its request
+    start = (depth * bt).astype(np.float64)
+    tok = np.full(len(ids), bt, np.int64)  # ``trace.block_tokens_of``, all requests at once
+    tok[end_B[n_B > 0] - 1] = trace.input_len[n_B > 0] - (n_B[n_B > 0] - 1) * bt
+    tok = tok.astype(np.float64)
     save = (
         np.asarray(cost.recompute_ms(start + tok), np.float64)
         - np.asarray(cost.recompute_ms(start), np.float64)

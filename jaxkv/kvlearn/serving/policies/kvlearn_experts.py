@@ -417,7 +417,9 @@ class ExpertKVLearn(BlockKVLearn):
         values = [self._value(e, k, b, j) for k, e in enumerate(self.xcfg.experts)]
         for k, v in enumerate(values):
             xs.value_EP[k, b] = v
-        if resident:  # an incoming block is pushed once resident (``on_insert``); ``_push``:
+        # an incoming block is pushed once resident (``on_insert``), an inner one once it is a
+        # leaf (``on_evict``, ``victim``: the same entry); ``_push``, inlined:
+        if resident and not self.cache.n_children[b]:
             ver = int(xs.version_P[b])
             for h, v in zip(xs.heaps, values, strict=True):
                 heapq.heappush(h, (v, xs.tick, ver, b))
