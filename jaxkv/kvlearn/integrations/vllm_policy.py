@@ -702,6 +702,26 @@ GUARD_BASELINES = ("lru", "arc", "cost_aware", "gdsf")
 """The guard's classical baselines, in tie-break order (see ``KVLearnGuardCachePolicy``)."""
 
 
+def guard_leader(
+    scores: Sequence[float], incumbent: int, *, slack: float = 0.0, hysteresis: float = 0.0
+) -> int:
+    """The guard's leader after a request: ``scores`` are the shadows' cumulative hit savings,
+    the baselines' in tie-break order (``scores[0]``: the anchor, ``lru``) then the learner's
+    (last); ``incumbent`` is the leader until now (an index into ``scores``).
+
+    The candidate is the learner if its score is strictly above (1 + ``slack``) × every
+    baseline's, else the best baseline (ties: the first). With ``hysteresis`` h = 0 that is the
+    new leader. With h > 0 the incumbent keeps the lead unless the candidate's score is above
+    (1 + h) × the incumbent's (a lead worth a change of contents), or the incumbent has fallen
+    below the anchor, which then leads (backing off to lru is never delayed)."""
+    b = len(scores) - 1
+    best = max(range(b), key=lambda k: (scores[k], -k))
+    cand = b if scores[b] > (1.0 + slack) * scores[best] else best
+    if hysteresis == 0.0 or scores[cand] > (1.0 + hysteresis) * scores[incumbent]:
+        return cand
+    return 0 if scores[incumbent] < scores[0] else incumbent
+
+
 class _Shadow:
     """One policy in a pool of its own of the same capacity, driven as vLLM's
     ``CPUOffloadingManager`` drives a policy, at the moments the guard's real pool is driven
@@ -844,6 +864,7 @@ class KVLearnGuardCachePolicy(_HeapCachePolicy):
 
     baselines: tuple[str, ...] = GUARD_BASELINES
     slack: float = 0.0
+    hysteresis: float = 0.0
     learner_hparams: dict = PROTOCOL_SETTING
     force_leader: str | None = None
     block_tokens: int = BLOCK_TOKENS
@@ -1078,9 +1099,12 @@ class KVLearnGuardCachePolicy(_HeapCachePolicy):
         if self.force_leader is not None:
             new = self.leader
         else:
-            scores = [sh.saved for sh in self.shadows[:b]]
-            best = max(range(b), key=lambda k: (scores[k], -k))  # ties: the first
-            new = b if self.shadows[b].saved > (1.0 + self.slack) * scores[best] else best
+            new = guard_leader(
+                [sh.saved for sh in self.shadows],
+                self.leader,
+                slack=self.slack,
+                hysteresis=self.hysteresis,
+            )
         self.leader_changes += new != self.leader
         self.leader = new
         self.learner_requests += new == b
