@@ -64,10 +64,10 @@ def evaluate(name: str, sets: list[str], out: Path) -> None:
                 cfg = ServingConfig(pool_blocks=cell["pool_blocks"], prefill_nodes=nodes)
                 t0 = time.perf_counter()
                 (r,) = vllm_replay.run(tr, (pol,), cfg=cfg, cost=bench_lib.COST)
-                row |= {"cand": r["hit_saving_ms_mean"], "replayed": True, "guard": r["guard"]}
+                row |= {"cand": r["hit_saving_ms_mean"], "replayed": True, "run": r}
                 row["wall_s"] = time.perf_counter() - t0
             rows.append(row)
-            print(json.dumps({k: v for k, v in row.items() if k != "guard"}), flush=True)
+            print(json.dumps({k: v for k, v in row.items() if k != "run"}), flush=True)
             (out / f"design_{name}.json").write_text(json.dumps(rows, indent=1))
 
 
