@@ -416,6 +416,45 @@ def test_guard_with_a_margin_no_lead_clears_is_vllm_lru_call_for_call():
     assert row["calls"] > 200 and row["matches"] == row["calls"] == row["jaxkv_calls"]
 
 
+def _mm_session_trace(tmp_path, *, sessions, seed, load):
+    """A small MM-Session trace (issue 15's heavy tuning configuration) at ``load``."""
+    from jaxkv.kvlearn import workloads
+    from jaxkv.kvlearn.traces import load_mooncake_trace, save_mooncake_jsonl
+
+    cfg = workloads.MMSessionConfig(
+        n_system=40,
+        system_tokens=(1000, 12000),
+        max_turns=10,
+        user_tokens=(50, 3000),
+        answer_tokens=(100, 800),
+        n_images=400,
+        n_videos=100,
+        zipf_alpha=0.9,
+        rate_per_s=0.5,
+        think_s=60,
+    )
+    save_mooncake_jsonl(workloads.mm_session(sessions, seed=seed, cfg=cfg), tmp_path / "mm.jsonl")
+    return load_mooncake_trace(tmp_path / "mm.jsonl").scaled(load)
+
+
+@pytest.mark.vllm
+def test_guard_with_hysteresis_keeps_lru_where_the_unguarded_switch_lost(tmp_path):
+    # found by a search over small MM-Session traces (seed 104, 60 sessions, 351 requests,
+    # deployed at the protocol's load: 2 nodes, half the distinct blocks): session 9's guard
+    # (no hysteresis) switched on small leads and ends below vLLM's lru; the shipped one does not
+    vp, vr = _vllm()
+    from jaxkv.kvlearn.cost import CostModel
+    from jaxkv.kvlearn.serving.engine import ServingConfig
+
+    tr = _mm_session_trace(tmp_path, sessions=60, seed=104, load=1.8407033597451197)
+    cfg = ServingConfig(pool_blocks=998, prefill_nodes=2)
+    unguarded = type("NoHysteresis", (vp.KVLearnGuardCachePolicy,), {"hysteresis": 0.0})
+    policies = ("lru", unguarded, "KVLearnGuardCachePolicy")
+    rows = {r["policy"]: r for r in vr.run(tr, policies, cfg=cfg, cost=CostModel.llama3_8b_a100())}
+    lru, old, new = (rows[p]["hit_saving_ms_mean"] for p in rows)
+    assert len(tr) == 351 and old < lru <= new
+
+
 @pytest.mark.vllm
 def test_guard_short_replay_scores_every_pool():
     _, vr = _vllm()
