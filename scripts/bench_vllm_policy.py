@@ -154,6 +154,8 @@ RULE = (
     "when the incumbent falls below it (hysteresis 0.1 %, chosen on issue 15's cells and seeds "
     "7 and 8, design data for it; seeds 10 and 11 held out)."
 )
+DESIGN_SEEDS = (7, 8)
+"""Seeds whose replays chose session 10's hysteresis (``vllm_guard_rule_s10.md``)."""
 CHECKED = ("hit_rate", "ttft_ms_mean", "ttft_ms_p99", "transfer_gib", "evictions", "evict_calls")
 """What a jaxkv peer must reproduce of its vLLM policy's run (``vllm_replay.PEERS``)."""
 PROTOCOL_JSON = Path("results/kvlearn/protocol.json")
@@ -321,12 +323,19 @@ def _gd_count(cells) -> str:
 
 
 def replay_markdown(cells: list[dict], sim: dict[tuple, dict], *, seed: int | None = None) -> str:
-    src = (
-        "Issue 15's leave-one-workload-out workloads (every fold held each one out)"
-        if seed is None
-        else f"Fresh workloads, seed {seed} (never used before; issue 15's chat, agent, rag "
-        "and heavy MM-Session generators at the protocol's sizes, deployed the same way)"
+    gen = (
+        "issue 15's chat, agent, rag and heavy MM-Session generators at the protocol's sizes, "
+        "deployed the same way"
     )
+    if seed is None:
+        src = "Issue 15's leave-one-workload-out workloads (every fold held each one out)"
+    elif seed in DESIGN_SEEDS:
+        src = (
+            f"Workloads generated with seed {seed} (fresh when session 9 first replayed them, "
+            f"design data for session 10's hysteresis; {gen})"
+        )
+    else:
+        src = f"Fresh workloads, seed {seed} (never used before; {gen})"
     lines = [
         f"{RULE}",
         "",
