@@ -7,7 +7,7 @@ CANDIDATE: ``V`` (baselines lru, arc), ``A0.1`` / ``A0.5`` (hysteresis 0.1 / 0.5
 lru). Sets: ``p`` issue 15's cells, 7 and 8 the fresh seeds already spent. Only the cells where
 the shipped guard changed leader are replayed (elsewhere every candidate decides as it does, the
 rule file says why); lru's and arc's numbers are read from the existing vllm_replay*.json.
---log: the per-request leader and shadow scores of one cell with the shipped guard (diagnosis).
+--log: the per-request leader and shadow scores of one cell with session 9's guard (diagnosis).
 """
 
 from __future__ import annotations
@@ -75,6 +75,8 @@ def log_cell(which: str, workload: str, frac: float, out: Path) -> None:
     log = []
 
     class Logged(GUARD):
+        hysteresis = 0.0  # session 9's rule, the one diagnosed
+
         def _choose_leader(self):
             old = self.leader
             super()._choose_leader()
