@@ -317,6 +317,69 @@ def test_guard_follows_the_learner_only_while_strictly_ahead():
     assert lead(1, 2, 3, 4, 3.5) == "gdsf"
 
 
+def _shipped_leader(scores, slack=0.0):
+    """Session 9's rule, as it was written in ``_choose_leader`` (the reference for h = 0)."""
+    b = len(scores) - 1
+    best = max(range(b), key=lambda k: (scores[k], -k))
+    return b if scores[b] > (1.0 + slack) * scores[best] else best
+
+
+def _random_scores(rng, n):
+    # small integers: many exact ties, and leads just above or below a relative margin
+    return [float(rng.choice([0, 1000, 1000, 1001, 1002, 1005, 1010, 1100])) for _ in range(n)]
+
+
+@pytest.mark.vllm
+def test_guard_leader_without_hysteresis_is_the_shipped_rule():
+    vp, _ = _vllm()
+    rng = random.Random(0)
+    for _ in range(3000):
+        n = rng.randint(2, 6)
+        scores, inc = _random_scores(rng, n), rng.randrange(n)
+        assert vp.guard_leader(scores, inc) == _shipped_leader(scores)
+        assert vp.guard_leader(scores, inc, slack=0.004) == _shipped_leader(scores, 0.004)
+
+
+@pytest.mark.vllm
+def test_guard_leader_with_hysteresis_against_a_brute_force_reference():
+    vp, _ = _vllm()
+    rng = random.Random(1)
+    for _ in range(3000):
+        n, h = rng.randint(2, 6), rng.choice([0.001, 0.005, 0.05])
+        scores, inc = _random_scores(rng, n), rng.randrange(n)
+        got = vp.guard_leader(scores, inc, hysteresis=h)
+        cand = _shipped_leader(scores)
+        # every leader the rule may name, and the one it must: the candidate on a clear lead,
+        # else the incumbent unless it is behind lru, else lru
+        clear = [k for k in range(n) if k == cand and scores[k] > (1 + h) * scores[inc]]
+        keep = [inc] if scores[inc] >= scores[0] else []
+        assert got == (clear or keep or [0])[0]
+        assert scores[got] >= scores[0]  # never a leader behind lru
+        if got not in (inc, 0):
+            assert got == cand and scores[got] > (1 + h) * scores[inc]
+
+
+@pytest.mark.vllm
+def test_guard_ignores_a_lead_of_noise_size_and_backs_off_to_lru_at_once():
+    # the diagnosed losses (MM-Session 50 %): cost_aware ahead of lru by 0.007 %, then behind
+    pol = type("Hyst", (_vllm()[0].KVLearnGuardCachePolicy,), {"hysteresis": 0.001})(8)
+    names = [sh.name for sh in pol.shadows]
+
+    def lead(*scores):
+        for sh, s in zip(pol.shadows, scores, strict=True):
+            sh.saved = s
+        pol._choose_leader()
+        return names[pol.leader]
+
+    assert lead(2496587, 2493408, 2496760, 2487010, 2486911) == "lru"  # 0.007 %: stays
+    assert lead(1000, 990, 1000.9, 900, 1000) == "lru"  # 0.09 %: below the margin of 0.1 %
+    assert lead(1000, 990, 1011, 900, 1000) == "cost_aware"  # a clear lead (1.1 %)
+    assert lead(1000, 990, 1010.5, 900, 1011) == "cost_aware"  # learner ahead by 0.005 %: stays
+    assert lead(1020, 990, 1019, 900, 1011) == "lru"  # cost_aware fell behind lru: at once
+    assert lead(1020, 990, 1019, 900, 1030.3) == "kvlearn"  # 1.01 % over the incumbent
+    assert pol.leader_changes == 3
+
+
 @pytest.mark.vllm
 def test_guard_evicts_first_what_the_new_leaders_shadow_does_not_hold():
     pol, twin = _make("KVLearnGuardCachePolicy", 64), _make("KVLearnGuardCachePolicy", 64)
@@ -341,6 +404,55 @@ def test_guard_is_its_baseline_while_the_learner_is_never_ahead():
     never = type("NeverAhead", (vp.KVLearnGuardCachePolicy,), {"baselines": ("lru",), "slack": 1e9})
     (row,) = _cross((("lru", never),), n=600)
     assert row["calls"] > 200 and row["matches"] == row["calls"] == row["jaxkv_calls"]
+
+
+@pytest.mark.vllm
+def test_guard_with_a_margin_no_lead_clears_is_vllm_lru_call_for_call():
+    # every shadow (lru, arc, cost_aware, gdsf, the learner) runs and is scored, but with
+    # hysteresis anchored at lru the real pool never leaves lru's: vLLM's lru, every evict call
+    vp, _ = _vllm()
+    stay = type("Anchored", (vp.KVLearnGuardCachePolicy,), {"hysteresis": 1e9})
+    (row,) = _cross((("lru", stay),), n=600)
+    assert row["calls"] > 200 and row["matches"] == row["calls"] == row["jaxkv_calls"]
+
+
+def _mm_session_trace(tmp_path, *, sessions, seed, load):
+    """A small MM-Session trace (issue 15's heavy tuning configuration) at ``load``."""
+    from jaxkv.kvlearn import workloads
+    from jaxkv.kvlearn.traces import load_mooncake_trace, save_mooncake_jsonl
+
+    cfg = workloads.MMSessionConfig(
+        n_system=40,
+        system_tokens=(1000, 12000),
+        max_turns=10,
+        user_tokens=(50, 3000),
+        answer_tokens=(100, 800),
+        n_images=400,
+        n_videos=100,
+        zipf_alpha=0.9,
+        rate_per_s=0.5,
+        think_s=60,
+    )
+    save_mooncake_jsonl(workloads.mm_session(sessions, seed=seed, cfg=cfg), tmp_path / "mm.jsonl")
+    return load_mooncake_trace(tmp_path / "mm.jsonl").scaled(load)
+
+
+@pytest.mark.vllm
+def test_guard_with_hysteresis_keeps_lru_where_the_unguarded_switch_lost(tmp_path):
+    # found by a search over small MM-Session traces (seed 104, 60 sessions, 351 requests,
+    # deployed at the protocol's load: 2 nodes, half the distinct blocks): session 9's guard
+    # (no hysteresis) switched on small leads and ends below vLLM's lru; the shipped one does not
+    vp, vr = _vllm()
+    from jaxkv.kvlearn.cost import CostModel
+    from jaxkv.kvlearn.serving.engine import ServingConfig
+
+    tr = _mm_session_trace(tmp_path, sessions=60, seed=104, load=1.8407033597451197)
+    cfg = ServingConfig(pool_blocks=998, prefill_nodes=2)
+    unguarded = type("NoHysteresis", (vp.KVLearnGuardCachePolicy,), {"hysteresis": 0.0})
+    policies = ("lru", unguarded, "KVLearnGuardCachePolicy")
+    rows = {r["policy"]: r for r in vr.run(tr, policies, cfg=cfg, cost=CostModel.llama3_8b_a100())}
+    lru, old, new = (rows[p]["hit_saving_ms_mean"] for p in rows)
+    assert len(tr) == 351 and old < lru <= new
 
 
 @pytest.mark.vllm
