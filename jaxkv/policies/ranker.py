@@ -174,9 +174,10 @@ def head_scores(
     reconstruction: kvzip_lib.Reconstruction | None = None,
 ) -> jax.Array:
     """``scores_from_features(params, head_features(cache, ...), cache.valid)``, [L, B, K, C],
-    one layer at a time: a layer's features and [B, K, C, hidden] activations stay in the
-    processor's cache, where all layers' at once (0.1 GB each at batch 8 x 4K) were written to
-    memory and read back between every two of the MLP's ops, which cost 3x its arithmetic."""
+    one layer at a time, so that a layer's features and [B, K, C, hidden] activations stay in
+    the processor's caches: all layers' at once (0.1 GB per activation at batch 8 x 4K) go to
+    memory and back between every two of the MLP's ops, several times the cost of its
+    arithmetic (``scripts/bench_eviction.py``)."""
     _check_inputs(names, wo_LNHD, reconstruction)
 
     def layer(inputs):
