@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -153,10 +154,12 @@ def main():
         variants[f"compressed_{gran}"] = (evicting(comp, True), fresh(comp.stats))
         variants[f"evict_only_{gran}"] = (evicting(comp, False), fresh(comp.stats))
     small_bytes = variants["compressed_shared"][1].nbytes()
+    load = [os.getloadavg()[0]]  # other processes' load skews absolute times, not ratios
     rows = time_interleaved(variants, args.steps)
+    load.append(os.getloadavg()[0])
     per_call = [k for k in rows if k.startswith(("compressed_", "evict_only_"))]
     rows.update({k: rows[k] / args.evict_every for k in per_call})  # per decode step
-    report = summarize(rows, full_bytes, small_bytes, args, comps["shared"].stats)
+    report = summarize(rows, full_bytes, small_bytes, args, comps["shared"].stats, load)
     print(report)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -167,6 +170,7 @@ def main():
                 args=vars(args),
                 ms={k: 1e3 * v for k, v in rows.items()},
                 full_bytes=full_bytes,
+                load_average=load,
                 compressed_bytes=small_bytes,
                 policy_stats=list(comps["shared"].stats),
             ),
@@ -175,13 +179,16 @@ def main():
     )
 
 
-def summarize(rows, full_bytes, small_bytes, args, policy_stats):
+def summarize(rows, full_bytes, small_bytes, args, policy_stats, load):
     ms = {k: 1e3 * v for k, v in rows.items()}
     lines = [
         f"# Eviction benchmark (SmolLM2-135M, batch {args.batch}, context {args.context}, "
         f"r = {args.ratio}, policy {args.policy}, evict every {args.evict_every} step(s), "
         f"compressed KV {args.kv_dtype}, "
         f"median of {args.steps} interleaved calls)",
+        "",
+        f"Load average (1 min) {load[0]:.1f} before the timed calls, {load[1]:.1f} after, on"
+        f" {os.cpu_count()} CPUs.",
         "",
         f"The cache carries the statistics the policy reads: {', '.join(policy_stats) or 'none'}"
         " (`decode_stats`); `decode_all_stats` carries all six (what the learned policy's"

@@ -166,6 +166,46 @@ def test_pruned_rows_carry_the_full_caches_targets_at_their_positions():
         assert np.isin(row[16:], got).all()  # the 8 new tokens are all there
 
 
+def _mlp_reference(params, feats):
+    """The ranker's score by hand, in float64: standardize, two ReLU layers, the output."""
+    p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+    x = (np.asarray(feats, np.float64) - p["mean"]) / p["scale"]
+    for i in range(2):
+        x = np.maximum(x @ p["mlp"][f"Dense_{i}"]["kernel"] + p["mlp"][f"Dense_{i}"]["bias"], 0)
+    return (x @ p["mlp"]["Dense_2"]["kernel"] + p["mlp"]["Dense_2"]["bias"])[..., 0]
+
+
+def test_layerwise_scores_are_the_mlp_of_the_features():
+    """The policy scores one layer at a time (``head_scores``): the scores of the MLP over all
+    layers' features at once, and of a float64 reference, so it keeps the reference's top B."""
+    policy = get_policy("ranker:ranker_smollm2_cpu")
+    params, names = policy.init()[0], dict(policy.spec)["features"]
+    cache = _prefilled()
+    comp = eviction.Compression(policy, budget=10, granularity="head")
+    cache = eviction.evict(cache, comp, policy.init(), key=jax.random.key(0))
+    _, cache = decoder.extend(PARAMS, jnp.asarray(TOKENS[:, 16:20]), cache, config=CFG)
+    valid = np.asarray(cache.valid)  # 10 kept of 16 in every row, then 4 more: holes
+    got = np.asarray(ranker_lib.head_scores(params, cache, names=names))
+    feats = ranker_lib.head_features(cache, names=names)
+    at_once = np.asarray(ranker_lib.scores_from_features(params, feats, cache.valid))
+    want = _mlp_reference(params, feats)
+    assert np.all(got[~valid] == -np.inf) and np.all(np.isfinite(got[valid]))
+    np.testing.assert_allclose(got[valid], at_once[valid], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(got[valid], want[valid], rtol=1e-5, atol=1e-5)
+    B = 6
+    kept = eviction.evict(
+        cache, dataclasses.replace(comp, budget=B), policy.init(), key=jax.random.key(0)
+    )
+    want = np.where(valid, want, -np.inf).reshape(-1, cache.capacity)
+    for row, ref, pos in zip(
+        np.asarray(kept.pos).reshape(-1, cache.capacity),
+        want,
+        np.asarray(cache.pos).reshape(-1, cache.capacity),
+        strict=True,
+    ):
+        assert set(row[row >= 0].tolist()) == set(pos[np.argsort(-ref)[:B]].tolist())
+
+
 def test_sinks_and_recent_window_are_kept():
     params = ranker_lib.init_params(key=jax.random.key(3))
     policy = ranker_lib.ranker_policy(params, recent_fraction=0.5, sinks=4)

@@ -82,16 +82,7 @@ def _row_z(x_LBKC: jax.Array, valid_LBKC: jax.Array) -> jax.Array:
     return (x_LBKC - mean) * jax.lax.rsqrt(var + 1e-6)
 
 
-def head_features(
-    cache: KVCache,
-    *,
-    names: tuple[str, ...] = FEATURES,
-    wo_LNHD: jax.Array | None = None,
-    reconstruction: kvzip_lib.Reconstruction | None = None,
-) -> jax.Array:
-    """Per-row features of every slot, [L, B, K, C, F] in ``names`` order (0 on free slots),
-    from a cache carrying ``STATS``; ``MODEL_FEATURES`` need the model's stacked W_o,
-    ``RECON_FEATURES`` kvzip's reconstruction scores of the prompt (0 past the prompt)."""
+def _check_inputs(names, wo_LNHD, reconstruction) -> None:
     unknown = [n for n in names if n not in FEATURES]
     if unknown:
         raise ValueError(f"unknown ranker features {unknown}; valid: {FEATURES}")
@@ -105,16 +96,36 @@ def head_features(
             "the ranker's features log_recon / z_recon read kvzip's reconstruction pass, which "
             "only the fidelity evaluation computes (--protocol prefill)"
         )
-    st = cache.stats
-    valid = cache.valid
+
+
+def _layer_inputs(cache, names, wo_LNHD, reconstruction) -> dict[str, Any]:
+    """What the features read, every leaf with a leading layer axis L: the statistics, the
+    slots' positions, the layer's depth in [0, 1], and the model's and kvzip's per-slot inputs
+    when ``names`` read them."""
     L = cache.pos.shape[0]
-    length = cache.length[None, :, None, None].astype(jnp.float32)
-    pos = cache.pos.astype(jnp.float32)
+    inputs = {
+        "stats": dict(cache.stats),
+        "pos": cache.pos,
+        "depth": jnp.arange(L, dtype=jnp.float32) / max(L - 1, 1),
+    }
+    if any(n in MODEL_FEATURES for n in names):
+        inputs["wo_vnorm"] = critical_lib.projected_norms(cache.values(), wo_LNHD)
+    if any(n in RECON_FEATURES for n in names):
+        inputs["recon"] = reconstruction.at(cache.pos)
+    return inputs
+
+
+def _features(inputs: dict[str, Any], length_B: jax.Array, names: tuple[str, ...]) -> jax.Array:
+    """Features [..., B, K, C, F] of ``_layer_inputs`` for all layers ([L, B, K, C] leaves,
+    depth [L]) or one ([B, K, C], depth [])."""
+    st, pos_i = inputs["stats"], inputs["pos"]
+    valid = pos_i >= 0
+    length = length_B[:, None, None].astype(jnp.float32)
+    pos = pos_i.astype(jnp.float32)
     seen = jnp.maximum(length - pos, 1.0)  # queries that saw the token (itself included)
     recent = jnp.maximum(st["recent"], 0.0)
     log_cum, log_recent = _log(st["attn_cum"]), _log(recent)
-    depth = jnp.arange(L, dtype=jnp.float32) / max(L - 1, 1)
-    log_recon = functools.cache(lambda: _log(reconstruction.at(cache.pos)))
+    log_recon = functools.cache(lambda: _log(inputs["recon"]))
     cols = {  # lazily: only the named columns are computed
         "log_attn": lambda: _log(st["attn"]),
         "log_attn_var": lambda: _log(st["attn_sq"] - st["attn"] ** 2),
@@ -128,15 +139,52 @@ def head_features(
         "log_age": lambda: jnp.log(seen),
         "log_pos": lambda: jnp.log1p(jnp.maximum(pos, 0.0)),
         "pos_frac": lambda: pos / jnp.maximum(length, 1.0),
-        "depth": lambda: jnp.broadcast_to(depth[:, None, None, None], pos.shape),
+        "depth": lambda: jnp.broadcast_to(inputs["depth"][..., None, None, None], pos.shape),
         "z_attn_cum": lambda: _row_z(log_cum, valid),
         "z_recent": lambda: _row_z(log_recent, valid),
-        "log_wo_vnorm": lambda: _log(critical_lib.projected_norms(cache.values(), wo_LNHD)),
+        "log_wo_vnorm": lambda: _log(inputs["wo_vnorm"]),
         "log_recon": log_recon,
         "z_recon": lambda: _row_z(log_recon(), valid),
     }
     feats = jnp.stack([cols[n]() for n in names], axis=-1)
     return jnp.where(valid[..., None], feats, 0.0)
+
+
+def head_features(
+    cache: KVCache,
+    *,
+    names: tuple[str, ...] = FEATURES,
+    wo_LNHD: jax.Array | None = None,
+    reconstruction: kvzip_lib.Reconstruction | None = None,
+) -> jax.Array:
+    """Per-row features of every slot, [L, B, K, C, F] in ``names`` order (0 on free slots),
+    from a cache carrying ``STATS``; ``MODEL_FEATURES`` need the model's stacked W_o,
+    ``RECON_FEATURES`` kvzip's reconstruction scores of the prompt (0 past the prompt)."""
+    _check_inputs(names, wo_LNHD, reconstruction)
+    inputs = _layer_inputs(cache, names, wo_LNHD, reconstruction)
+    return _features(inputs, cache.length, names)
+
+
+def head_scores(
+    params: dict,
+    cache: KVCache,
+    *,
+    names: tuple[str, ...],
+    wo_LNHD: jax.Array | None = None,
+    reconstruction: kvzip_lib.Reconstruction | None = None,
+) -> jax.Array:
+    """``scores_from_features(params, head_features(cache, ...), cache.valid)``, [L, B, K, C],
+    one layer at a time, so that a layer's features and [B, K, C, hidden] activations stay in
+    the processor's caches: all layers' at once (0.1 GB per activation at batch 8 x 4K) go to
+    memory and back between every two of the MLP's ops, several times the cost of its
+    arithmetic (``scripts/bench_eviction.py``)."""
+    _check_inputs(names, wo_LNHD, reconstruction)
+
+    def layer(inputs):
+        feats = _features(inputs, cache.length, names)
+        return scores_from_features(params, feats, inputs["pos"] >= 0)
+
+    return jax.lax.map(layer, _layer_inputs(cache, names, wo_LNHD, reconstruction))
 
 
 class RankMLP(nn.Module):
@@ -224,8 +272,7 @@ def ranker_policy(
 
     def score(state, cache, *, budget_B, **_):
         weights, wo, recon = state
-        feats = head_features(cache, names=features, wo_LNHD=wo, reconstruction=recon)
-        s = scores_from_features(weights, feats, cache.valid)
+        s = head_scores(weights, cache, names=features, wo_LNHD=wo, reconstruction=recon)
         if not (recent_fraction or sinks):
             return s  # the raw log-odds (module docstring)
         # squashed into [0, 1) under the protected tier (ranking unchanged), as the
