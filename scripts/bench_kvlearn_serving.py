@@ -109,18 +109,7 @@ TRACE = traces_lib.EXAMPLE  # the Mooncake example trace shipped with jaxkv (tra
 FRACS = (0.1, 0.25, 0.5)
 TUNE_HEAD = 2000
 # the heavy MM-Session workload of the tuning split (seeds 1 and 2, the second bursty; 8 nodes)
-MM_HEAVY = dict(
-    n_system=40,
-    system_tokens=(1000, 12000),
-    max_turns=10,
-    user_tokens=(50, 3000),
-    answer_tokens=(100, 800),
-    n_images=400,
-    n_videos=100,
-    zipf_alpha=0.9,
-    rate_per_s=0.5,
-    think_s=60,
-)
+MM_HEAVY = workloads.MM_HEAVY
 
 
 # ---- the leave-one-workload-out protocol (rule in the module docstring) -----------------------

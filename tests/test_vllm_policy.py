@@ -421,18 +421,7 @@ def _mm_session_trace(tmp_path, *, sessions, seed, load):
     from jaxkv.kvlearn import workloads
     from jaxkv.kvlearn.traces import load_mooncake_trace, save_mooncake_jsonl
 
-    cfg = workloads.MMSessionConfig(
-        n_system=40,
-        system_tokens=(1000, 12000),
-        max_turns=10,
-        user_tokens=(50, 3000),
-        answer_tokens=(100, 800),
-        n_images=400,
-        n_videos=100,
-        zipf_alpha=0.9,
-        rate_per_s=0.5,
-        think_s=60,
-    )
+    cfg = workloads.MMSessionConfig(**workloads.MM_HEAVY)
     save_mooncake_jsonl(workloads.mm_session(sessions, seed=seed, cfg=cfg), tmp_path / "mm.jsonl")
     return load_mooncake_trace(tmp_path / "mm.jsonl").scaled(load)
 

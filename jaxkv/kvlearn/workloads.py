@@ -157,6 +157,21 @@ class MMSessionConfig:
             raise ValueError("MMSessionConfig: probabilities in [0, 1], burst_mean ≥ 1")
 
 
+# the heavy MM-Session workload of issue 15's tuning split (scripts/bench_kvlearn_serving.py)
+MM_HEAVY = dict(
+    n_system=40,
+    system_tokens=(1000, 12000),
+    max_turns=10,
+    user_tokens=(50, 3000),
+    answer_tokens=(100, 800),
+    n_images=400,
+    n_videos=100,
+    zipf_alpha=0.9,
+    rate_per_s=0.5,
+    think_s=60,
+)
+
+
 def _zipf(rng, n: int, alpha: float) -> int:
     w = 1.0 / np.arange(1, n + 1) ** alpha
     return int(rng.choice(n, p=w / w.sum()))
