@@ -22,11 +22,11 @@ selection rule.
 
 * Workloads (``protocol_workloads``): ``chat`` (6,000 requests), ``agent`` (3,000), ``rag``
   (6,000), all ``workloads`` defaults with seed 0; ``mmsession`` (the heavy MM-Session of the
-  tuning split, ``MM_HEAVY``, 600 sessions, seed 3: not a tuning seed); ``example`` (the shipped
-  trace, all 3,993 requests). Each goes through ``save_mooncake_jsonl`` and the validating
-  loader. Sizes keep every trace at ≤ ~125k block references, so the whole protocol runs in
-  ≲ 20 min on the shared 2-core machine (``--protocol-scale`` shrinks the generated ones, for a
-  smoke test).
+  tuning split, ``workloads.MM_HEAVY``, 600 sessions, seed 3: not a tuning seed); ``example``
+  (the shipped trace, all 3,993 requests). Each goes through ``save_mooncake_jsonl`` and the
+  validating loader. Sizes keep every trace at ≤ ~125k block references, so the whole protocol
+  runs in ≲ 20 min on the shared 2-core machine (``--protocol-scale`` shrinks the generated ones,
+  for a smoke test).
 * Deployment, fixed per workload from the trace alone: LLaMA-3-8B/A100 costs; ρ* = the shipped
   trace's no-cache prefill utilisation at its 24 prefill nodes (Σ R(input) / (span × 24) =
   0.746); a workload gets N = ⌈busy / ρ*⌉ prefill nodes (busy = Σ R(input) / span) and its
@@ -108,8 +108,6 @@ from jaxkv.kvlearn.serving.policies import BLOCK_POLICIES
 TRACE = traces_lib.EXAMPLE  # the Mooncake example trace shipped with jaxkv (trace_path)
 FRACS = (0.1, 0.25, 0.5)
 TUNE_HEAD = 2000
-# the heavy MM-Session workload of the tuning split (seeds 1 and 2, the second bursty; 8 nodes)
-MM_HEAVY = workloads.MM_HEAVY
 
 
 # ---- the leave-one-workload-out protocol (rule in the module docstring) -----------------------
@@ -341,7 +339,7 @@ def tuning_split(tr: traces_lib.MooncakeTrace, nodes: int) -> dict:
     """The traces KVLearn is tuned on: {name: (trace, prefill nodes)}."""
     out = {f"head{TUNE_HEAD}": (tr.head(TUNE_HEAD), nodes)}
     for seed, bursty in ((1, False), (2, True)):
-        cfg = workloads.MMSessionConfig(bursty=bursty, **MM_HEAVY)
+        cfg = workloads.MMSessionConfig(bursty=bursty, **workloads.MM_HEAVY)
         with tempfile.TemporaryDirectory() as d:
             records = workloads.mm_session(1500, seed=seed, cfg=cfg)
             traces_lib.save_mooncake_jsonl(records, f"{d}/mm.jsonl")
@@ -398,7 +396,7 @@ def protocol_workloads(scale: float = 1.0) -> dict[str, traces_lib.MooncakeTrace
     for kind, n in PROTOCOL_REQUESTS.items():
         out[kind] = _loaded(workloads.WORKLOADS[kind][0](max(50, int(scale * n)), seed=0))
     sessions, seed = PROTOCOL_MM
-    mm = workloads.MMSessionConfig(**MM_HEAVY)
+    mm = workloads.MMSessionConfig(**workloads.MM_HEAVY)
     out["mmsession"] = _loaded(
         workloads.mm_session(max(20, int(scale * sessions)), seed=seed, cfg=mm)
     )

@@ -46,7 +46,7 @@ from jaxkv.kvlearn.cost import CostModel
 from jaxkv.kvlearn.integrations import vllm_policy, vllm_replay
 from jaxkv.kvlearn.serving.engine import ServingConfig, simulate
 from jaxkv.kvlearn.serving.metrics import summarize
-from jaxkv.kvlearn.traces import MooncakeTrace, load_mooncake_trace, save_mooncake_jsonl
+from jaxkv.kvlearn.traces import MooncakeTrace, load_mooncake_trace
 
 COST = CostModel.llama3_8b_a100()
 
@@ -64,13 +64,7 @@ def generated(quick: bool) -> dict[str, MooncakeTrace]:
         "rag": workloads.rag(n, seed=0),
         "mm_session": workloads.mm_session(n // 4, seed=0),
     }
-    out = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, records in made.items():
-            path = Path(tmp) / f"{name}.jsonl"
-            save_mooncake_jsonl(records, path)
-            out[name] = load_mooncake_trace(path)
-    return out
+    return {name: protocol_lib._loaded(records) for name, records in made.items()}
 
 
 # ---- cross-check ----------------------------------------------------------------------------
@@ -230,19 +224,22 @@ def fresh_traces(seed: int, quick: bool) -> dict[str, tuple[MooncakeTrace, int]]
         kind: workloads.WORKLOADS[kind][0](max(50, int(scale * n)), seed=seed)
         for kind, n in protocol_lib.PROTOCOL_REQUESTS.items()
     }
-    mm = workloads.MMSessionConfig(**protocol_lib.MM_HEAVY)
+    mm = workloads.MMSessionConfig(**workloads.MM_HEAVY)
     sessions, _ = protocol_lib.PROTOCOL_MM
     made["mmsession"] = workloads.mm_session(max(20, int(scale * sessions)), seed=seed, cfg=mm)
-    rho = protocol_lib._busy(shipped(), COST) / protocol_lib.REF_NODES
-    out = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, records in made.items():
-            path = Path(tmp) / f"{name}.jsonl"
-            save_mooncake_jsonl(records, path)
-            tr = load_mooncake_trace(path)
-            nodes, load = protocol_lib.deployment(tr, COST, rho)
-            out[name] = (tr.scaled(load), nodes)
-    return out
+    rho = protocol_rho()
+    return {name: deployed(protocol_lib._loaded(records), rho) for name, records in made.items()}
+
+
+def protocol_rho() -> float:
+    """The per-node utilization the protocol deploys every workload at (the shipped trace's)."""
+    return protocol_lib._busy(shipped(), COST) / protocol_lib.REF_NODES
+
+
+def deployed(tr: MooncakeTrace, rho: float) -> tuple[MooncakeTrace, int]:
+    """``tr`` deployed as the protocol deploys it: (the trace at its load, prefill nodes)."""
+    nodes, load = protocol_lib.deployment(tr, COST, rho)
+    return tr.scaled(load), nodes
 
 
 def replay(quick: bool, *, seed: int | None = None, variant: bool = False) -> tuple[str, dict]:

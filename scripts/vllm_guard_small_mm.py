@@ -5,9 +5,7 @@ shipped guard's (hysteresis 0.1 %) result there (results/kvlearn/vllm_guard_desi
 """
 
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import bench_kvlearn_serving as protocol_lib  # scripts/, this script's folder
 import bench_vllm_policy as bench_lib
@@ -15,30 +13,24 @@ import bench_vllm_policy as bench_lib
 from jaxkv.kvlearn import workloads
 from jaxkv.kvlearn.integrations import vllm_policy, vllm_replay
 from jaxkv.kvlearn.serving.engine import ServingConfig
-from jaxkv.kvlearn.traces import load_mooncake_trace, save_mooncake_jsonl
 
 GUARD = vllm_policy.KVLearnGuardCachePolicy
 UNGUARDED = type("S", (GUARD,), {"hysteresis": 0.0})
 SHIPPED = type("A", (GUARD,), {"hysteresis": 0.001})
 
 
-def trace(sessions: int, seed: int):
-    recs = workloads.mm_session(
-        sessions, seed=seed, cfg=workloads.MMSessionConfig(**protocol_lib.MM_HEAVY)
+def trace(sessions: int, seed: int, rho: float):
+    cfg = workloads.MMSessionConfig(**workloads.MM_HEAVY)
+    return bench_lib.deployed(
+        protocol_lib._loaded(workloads.mm_session(sessions, seed=seed, cfg=cfg)), rho
     )
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "t.jsonl"
-        save_mooncake_jsonl(recs, path)
-        tr = load_mooncake_trace(path)
-    rho = protocol_lib._busy(bench_lib.shipped(), bench_lib.COST) / protocol_lib.REF_NODES
-    nodes, load = protocol_lib.deployment(tr, bench_lib.COST, rho)
-    return tr.scaled(load), nodes
 
 
 def main() -> None:
     sessions, first, end = (int(a) for a in sys.argv[1:4])
+    rho = bench_lib.protocol_rho()
     for seed in range(first, end):
-        tr, nodes = trace(sessions, seed)
+        tr, nodes = trace(sessions, seed, rho)
         for frac in (0.25, 0.5):
             cfg = ServingConfig(
                 pool_blocks=int(frac * protocol_lib._distinct(tr)), prefill_nodes=nodes

@@ -157,7 +157,8 @@ class MMSessionConfig:
             raise ValueError("MMSessionConfig: probabilities in [0, 1], burst_mean ≥ 1")
 
 
-# the heavy MM-Session workload of issue 15's tuning split (scripts/bench_kvlearn_serving.py)
+# the heavy MM-Session workload of issue 15's tuning split (scripts/bench_kvlearn_serving.py:
+# seeds 1 and 2, the second bursty; 8 nodes)
 MM_HEAVY = dict(
     n_system=40,
     system_tokens=(1000, 12000),
