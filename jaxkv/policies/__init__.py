@@ -8,7 +8,8 @@ context-reconstruction scores, fidelity's prefill protocol only: ``jaxkv.policie
 ``critical:<policy>`` (CriticalKV over any other policy: ``jaxkv.policies.critical``),
 ``ranker:<checkpoint>`` (the supervised per-head ranker: ``jaxkv.policies.ranker``),
 ``rerank:<policy>`` (kvzip's allocation across rows, the policy's order within each:
-``jaxkv.policies.rerank``), or
+``jaxkv.policies.rerank``), ``rerank@<w>:<policy>`` (the same with a blend of the policy's
+and kvzip's order, weight w on the policy's), or
 ``learned:<checkpoint>`` (a folder written by ``python -m jaxkv.train distillcache``, or the
 name of a checkpoint shipped in ``jaxkv/checkpoints/``, e.g. ``learned:distillcache_smollm2_cpu``).
 
@@ -38,6 +39,7 @@ LEARNED_PREFIX = "learned:"
 CRITICAL_PREFIX = critical.PREFIX
 RANKER_PREFIX = ranker.PREFIX
 RERANK_PREFIX = rerank.PREFIX
+RERANK_PREFIXES = (rerank.PREFIX, rerank.WEIGHTED)
 
 _REGISTRY: dict[str, Callable[..., Policy]] = {
     "full": heuristics.full,
@@ -62,6 +64,7 @@ def policy_names() -> list[str]:
         LEARNED_PREFIX + "<checkpoint>",
         RANKER_PREFIX + "<checkpoint>",
         RERANK_PREFIX + "<policy>",
+        rerank.WEIGHTED + "<w>:<policy>",
     ]
 
 
@@ -84,8 +87,9 @@ def get_policy(name: str, **settings) -> Policy:
         return learned.load_learned(name.removeprefix(LEARNED_PREFIX), **settings)
     if name.startswith(RANKER_PREFIX):
         return ranker.load_ranker(name.removeprefix(RANKER_PREFIX), **settings)
-    if name.startswith(RERANK_PREFIX):
-        return rerank.rerank(get_policy(name.removeprefix(RERANK_PREFIX), **settings))
+    if name.startswith(RERANK_PREFIXES):
+        weight, inner = rerank.parse(name)
+        return rerank.rerank(get_policy(inner, **settings), weight=weight)
     if name not in _REGISTRY:
         raise ValueError(f"unknown policy {name!r}; choose one of {policy_names()}")
     return _REGISTRY[name](**settings)

@@ -15,6 +15,10 @@ as kvzip, and within a row the inner policy's top ones (tested). Slots kvzip pro
 sinks, scored in ``TIER``) stay protected: they rank first under the inner order too. At
 ``head`` granularity it keeps the inner policy's top B of each row, the sinks first.
 
+``rerank@<w>:<policy>`` orders each row by a blend instead: ``w`` times the inner policy's
+score plus ``1 - w`` times kvzip's log score, each standardized over the row's slots, so
+``w = 1`` is ``rerank:<policy>`` and ``w = 0`` is kvzip (``blend``).
+
 Like kvzip it compresses once (``prefill`` protocol) and only the fidelity evaluation computes
 its state (``window_input="reconstruction"``); the inner policy may read the reconstruction
 too (a ranker with kvzip's features). Inner policies that read the model's weights
@@ -30,6 +34,7 @@ from jaxkv.policies import kvzip as kvzip_lib
 from jaxkv.policies.base import TIER, Policy
 
 PREFIX = "rerank:"
+WEIGHTED = "rerank@"  # rerank@<w>:<policy>
 
 
 def transplant(alloc_LBKC: jnp.ndarray, order_LBKC: jnp.ndarray, valid_LBKC) -> jnp.ndarray:
@@ -49,11 +54,49 @@ def transplant(alloc_LBKC: jnp.ndarray, order_LBKC: jnp.ndarray, valid_LBKC) -> 
     return jnp.take_along_axis(values, rank, axis=-1)
 
 
-def rerank(inner: Policy) -> Policy:
-    """kvzip's per-row allocation with ``inner``'s order within each row (module docstring)."""
+def row_z(x_LBKC: jnp.ndarray, mask_LBKC) -> jnp.ndarray:
+    """``x`` standardized over each row's ``mask``ed slots (0 elsewhere)."""
+    n = jnp.maximum(jnp.sum(mask_LBKC, axis=-1, keepdims=True), 1)
+    x = jnp.where(mask_LBKC, x_LBKC, 0.0)
+    mean = jnp.sum(x, axis=-1, keepdims=True) / n
+    var = jnp.sum(jnp.where(mask_LBKC, (x - mean) ** 2, 0.0), axis=-1, keepdims=True) / n
+    return jnp.where(mask_LBKC, (x - mean) / jnp.sqrt(var + 1e-12), 0.0)
+
+
+def blend(order_LBKC, recon_LBKC, valid_LBKC, weight: float) -> jnp.ndarray:
+    """``weight`` × ``order`` + (1 − ``weight``) × log ``recon``, each ``row_z``-standardized
+    over the row's valid slots (an inner policy's protected tier is standardized with the rest;
+    kvzip's own protected slots are ``transplant``'s); invalid slots get -inf."""
+    log_recon = jnp.log(jnp.maximum(recon_LBKC.astype(jnp.float32), 1e-30))
+    z = lambda x: row_z(x.astype(jnp.float32), valid_LBKC)  # noqa: E731
+    mixed = weight * z(order_LBKC) + (1.0 - weight) * z(log_recon)
+    return jnp.where(valid_LBKC, mixed, -jnp.inf)
+
+
+def parse(name: str) -> tuple[float, str]:
+    """``(weight, inner name)`` of ``rerank:<inner>`` (weight 1) or ``rerank@<w>:<inner>``.
+
+    Raises:
+        ValueError: a weight that is not a number in [0, 1].
+    """
+    if name.startswith(PREFIX):
+        return 1.0, name.removeprefix(PREFIX)
+    head, _, inner = name.removeprefix(WEIGHTED).partition(":")
+    try:
+        weight = float(head)
+    except ValueError:
+        weight = float("nan")
+    if not 0.0 <= weight <= 1.0 or not inner:
+        raise ValueError(f"{name!r}: write rerank@<w>:<policy> with w in [0, 1]")
+    return weight, inner
+
+
+def rerank(inner: Policy, *, weight: float = 1.0) -> Policy:
+    """kvzip's per-row allocation with ``inner``'s order within each row, or with the
+    ``blend`` of ``inner``'s and kvzip's at ``weight`` < 1 (module docstring)."""
     if not inner.evicts or inner.window_input not in (None, "reconstruction"):
         raise ValueError(f"rerank: needs an evicting cache-scoring policy, got {inner.name!r}")
-    if inner.name == kvzip_lib.NAME or inner.name.startswith((critical_lib.PREFIX, PREFIX)):
+    if inner.name == kvzip_lib.NAME or inner.name.startswith((critical_lib.PREFIX, PREFIX, WEIGHTED)):
         raise ValueError(f"rerank: cannot wrap {inner.name!r}")
     if "prefill" not in inner.protocols:
         raise ValueError(f"rerank: {inner.name!r} does not run in the prefill protocol")
@@ -70,15 +113,18 @@ def rerank(inner: Policy) -> Policy:
         if order.ndim == 2:  # one score per token
             order = order[None, :, None, :]
         order = jnp.broadcast_to(order, cache.pos.shape)
+        if weight != 1.0:
+            order = blend(order, alloc_state.at(cache.pos), cache.valid, weight)
         return transplant(alloc.score(alloc_state, cache, **kw), order, cache.valid)
 
+    name = PREFIX + inner.name if weight == 1.0 else f"{WEIGHTED}{weight:g}:{inner.name}"
     return Policy(
-        PREFIX + inner.name,
+        name,
         score=score,
         init=init,
         protocols=("prefill",),
         window=inner.window,
         stats=inner.stats,
         window_input="reconstruction",
-        spec=(("inner", (inner.name, inner.spec)),),
+        spec=(("inner", (inner.name, inner.spec)), ("weight", weight)),
     )

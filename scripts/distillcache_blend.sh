@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# results/distillcache_blend/PROTOCOL.md: `tune` scores kvzip and rerank@<w>: on the training
+# domains; `confirm W` runs the chosen w once on unread BIG-Bench Hard windows. A finished run
+# is skipped (delete its folder to redo it). Writes results/distillcache_blend/<run>/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+py=${PYTHON:-.venv/bin/python}
+out=${OUT:-results/distillcache_blend}
+ranker=ranker:ranker_kvzip_smollm2_cpu
+window=(--window 384 --prompt-len 256 --ratios 0.25,0.125 --protocol prefill --granularity global)
+run() {  # name, then fidelity flags
+  local name=$1; shift
+  if grep -qs '"complete": true' "$out/$name/fidelity.json"; then echo "skip $name (done)"; return; fi
+  "$py" -m jaxkv.eval fidelity "${window[@]}" "$@" --out "$out/$name"
+}
+write_text() {  # domain, path
+  mkdir -p "$(dirname "$2")"
+  "$py" -c "
+from jaxkv.evals.runner import load_eval_model
+from jaxkv.rl.data import write_domain_text
+write_domain_text('$1', '$2', tokenizer=load_eval_model('smollm2-135m').tokenizer)"
+}
+case "${1:-}" in
+  tune)
+    weights=$(printf "rerank@%s:$ranker," 0.25 0.5 0.75)
+    for domain in prose math code chat; do
+      text=runs/distillcache_blend/$domain.txt
+      [[ -f $text ]] || write_text "$domain" "$text"
+      run "tune_$domain" --text "$text" --limit 4 --policies "kvzip,${weights}rerank:$ranker"
+    done
+    "$py" scripts/distillcache_blend_choose.py "$out" ;;
+  confirm)
+    w=${2:?usage: $0 confirm W}
+    text=runs/distillcache_blend/heldout.txt
+    [[ -f $text ]] || write_text reasoning "$text"
+    fresh=(--text "$text" --heldout 0.25 --limit 8)
+    heur=h2o,critical:h2o,tova,snapkv,expected_attention,streaming_llm
+    run prefill_global "${fresh[@]}" --policies "kvzip,rerank@$w:$ranker,rerank:$ranker,$heur,oracle"
+    run prefill_nocap "${fresh[@]}" --head-floor 0 --head-cap 8 \
+      --policies "kvzip,rerank@$w:$ranker,rerank:$ranker,oracle" ;;
+  *) echo "usage: $0 tune | confirm W" >&2; exit 2 ;;
+esac
