@@ -81,3 +81,43 @@ def test_rerank_runs_where_kvzip_runs_and_refuses_the_rest(tmp_path):
     assert eval_lib.main(["fidelity", *prefill, "--out", str(tmp_path / "ok")]) == 0
     assert eval_lib.main(["fidelity", *common, "--out", str(tmp_path / "decode")]) == 2
     assert not (tmp_path / "decode").exists()
+
+
+def test_blend_against_a_numpy_reference():
+    rng = np.random.default_rng(1)
+    order = rng.normal(size=(2, 1, 3, 7)) * 3 + 1
+    recon = rng.random(order.shape) + 1e-3
+    valid = rng.random(order.shape) > 0.25
+    valid[..., :2] = True
+    got = np.asarray(rerank_lib.blend(order, recon, valid, 0.3))
+    for idx in np.ndindex(order.shape[:-1]):
+        v = valid[idx]
+        z = lambda x: (x - x[v].mean()) / x[v].std()  # noqa: E731
+        want = np.where(v, 0.3 * z(order[idx]) + 0.7 * z(np.log(recon[idx])), -np.inf)
+        np.testing.assert_allclose(got[idx], want, rtol=1e-5, atol=1e-5)
+
+
+def _kept(name: str, floor=0.2, cap=2.0):
+    policy = get_policy(name)
+    state = fidelity.window_state(MODEL, policy, WINDOWS, PROMPT)
+    cache = kvcache.init_cache(CFG, batch_size=2, capacity=PROMPT, stats=policy.stats)
+    _, cache = decoder.prefill(PARAMS, WINDOWS[:, :PROMPT], cache, config=CFG)
+    pooled = {"granularity": "global", "protocol": "prefill", "head_floor": floor, "head_cap": cap}
+    comp = Compression.make(name, budget=5, **pooled)
+    pos = np.asarray(eviction.evict(cache, comp, state, key=None).pos)
+    return [frozenset(int(p) for p in pos[idx] if p >= 0) for idx in np.ndindex(pos.shape[:-1])]
+
+
+def test_blend_weights_zero_and_one_are_kvzip_and_rerank():
+    assert _kept("rerank@0:h2o") == _kept("kvzip")
+    assert get_policy("rerank@1:h2o").name == "rerank:h2o"
+    assert _kept("rerank@1:h2o") == _kept("rerank:h2o")
+    half = _kept("rerank@0.5:h2o")
+    assert [len(s) for s in half] == [len(s) for s in _kept("kvzip")]  # kvzip's counts
+    assert half not in (_kept("kvzip"), _kept("rerank:h2o"))  # a third order on this cache
+
+
+@pytest.mark.parametrize("bad", ["rerank@1.5:h2o", "rerank@x:h2o", "rerank@0.5:", "rerank@0.5:rerank:h2o"])
+def test_bad_blend_names_are_refused(bad):
+    with pytest.raises(ValueError, match="rerank"):
+        get_policy(bad)
