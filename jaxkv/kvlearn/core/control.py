@@ -41,6 +41,8 @@ class KVLearnConfig:
         prior_labels: admission and eviction use P̂ refined by the key's own decayed labels,
             (m·P̂ + Σ y)/(m + n) with m = prior_labels (``features.label_posterior``);
             None uses the MLP's prediction alone.
+        label_tau_s: decay time of each key's own labels (None: ``tau_slow_s``; ``inf``:
+            exact counts).
     """
 
     cost: CostModel = dataclasses.field(default_factory=CostModel.llama3_8b_a100)
@@ -58,6 +60,8 @@ class KVLearnConfig:
     swap_margin: float = 0.25
     max_victims: int = 32
     prior_labels: float | None = 50.0
+    label_tau_s: float | None = None
+    count_prior_s: float | None = None
 
     def __post_init__(self):
         if self.max_blocks <= 0 or self.max_keys <= 0:
@@ -68,6 +72,10 @@ class KVLearnConfig:
             raise ValueError("KVLearnConfig.storage_dt_s must be ≥ 0 or None")
         if not 0 <= self.ema_decay < 1:
             raise ValueError("KVLearnConfig.ema_decay must be in [0, 1)")
+        if self.count_prior_s is not None and not self.count_prior_s > 0:
+            raise ValueError("KVLearnConfig.count_prior_s must be positive or None")
+        if self.label_tau_s is not None and not self.label_tau_s > 0:
+            raise ValueError("KVLearnConfig.label_tau_s must be positive (inf allowed) or None")
         if self.prior_labels is not None and not self.prior_labels > 0:
             raise ValueError("KVLearnConfig.prior_labels must be positive or None")
 
@@ -108,6 +116,7 @@ class KVLearnState:
     r_bar_ms: jax.Array
     arrival_rate: jax.Array
     last_t: jax.Array
+    first_t: jax.Array
     counters: Counters
     rng: jax.Array
 
@@ -147,9 +156,14 @@ def init(cfg: KVLearnConfig, *, capacity_bytes, key, prp_state=None) -> KVLearnS
         r_bar_ms=zf(),
         arrival_rate=zf(),
         last_t=zf(),
+        first_t=zf(),
         counters=Counters(zi(), zi(), zi(), zi(), zi(), zf()),
         rng=k_run,
     )
+
+
+def _label_tau(cfg: KVLearnConfig) -> float:
+    return cfg.tau_slow_s if cfg.label_tau_s is None else cfg.label_tau_s
 
 
 def _capacity_bytes(state: KVLearnState):
@@ -176,9 +190,19 @@ def _featurize(state: KVLearnState, keys, t, cfg: KVLearnConfig):
 def _score(state: KVLearnState, keys, x_I, tokens, t, cfg: KVLearnConfig):
     """(P̂, CARS ms, ν) of ``keys`` at ``t`` from their features."""
     p_hat = prp_lib.predict(state.prp, x_I, cfg=cfg.prp)
+    if cfg.count_prior_s is not None:
+        p_hat = features_lib.rate_posterior(
+            state.hist,
+            keys,
+            p_hat,
+            t=t,
+            t0=state.first_t,
+            horizon_s=cfg.horizon_s,
+            prior_s=cfg.count_prior_s,
+        )
     if cfg.prior_labels is not None:
         p_hat = features_lib.label_posterior(
-            state.hist, keys, p_hat, t=t, tau_s=cfg.tau_slow_s, prior_labels=cfg.prior_labels
+            state.hist, keys, p_hat, t=t, tau_s=_label_tau(cfg), prior_labels=cfg.prior_labels
         )
     dt = (
         1.0 / jnp.maximum(state.arrival_rate, 1e-6)
@@ -209,7 +233,10 @@ def _update_estimates(state: KVLearnState, req: Request, cfg: KVLearnConfig) -> 
         1.0,
         jnp.where(state.counters.requests == 1, inst, d * state.arrival_rate + (1 - d) * inst),
     )
-    return state.replace(r_bar_ms=r_bar, arrival_rate=lam.astype(jnp.float32), last_t=req.time)
+    first_t = jnp.where(first, req.time, state.first_t).astype(jnp.float32)
+    return state.replace(
+        r_bar_ms=r_bar, arrival_rate=lam.astype(jnp.float32), last_t=req.time, first_t=first_t
+    )
 
 
 def lookup(state: KVLearnState, req: Request, *, cfg: KVLearnConfig):
@@ -231,6 +258,7 @@ def lookup(state: KVLearnState, req: Request, *, cfg: KVLearnConfig):
         horizon_s=cfg.horizon_s,
         tau_fast_s=cfg.tau_fast_s,
         tau_slow_s=cfg.tau_slow_s,
+        label_tau_s=_label_tau(cfg),
         featurize_fn=lambda row: features_lib.featurize_rows(
             row,
             t=req.time,
@@ -339,7 +367,7 @@ def tick_batch(state_B: KVLearnState, t_B, *, cfg: KVLearnConfig) -> KVLearnStat
 def tick_maintenance(state: KVLearnState, t, *, cfg: KVLearnConfig) -> KVLearnState:
     """``tick`` without the PRP training round: labels, re-scoring and the ATC step."""
     hist, x_PI, mask_P = features_lib.expire_windows(
-        state.hist, t=t, horizon_s=cfg.horizon_s, tau_s=cfg.tau_slow_s
+        state.hist, t=t, horizon_s=cfg.horizon_s, tau_s=_label_tau(cfg)
     )
     prp = prp_lib.push_labels(state.prp, x_PI, jnp.zeros(mask_P.shape, jnp.float32), mask_P)
     state = state.replace(hist=hist, prp=prp)
