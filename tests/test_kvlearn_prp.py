@@ -132,7 +132,7 @@ def test_labels_for_a_block_hit_exactly_once():
     np.testing.assert_allclose(
         state.hist.table_PJ[Bk, features_lib.LABELS], [0.0, 1.0, 15.0], rtol=1e-6
     )
-    m, p = cfg.prior_labels, jnp.float32([0.3, 0.3, 0.3])
+    m, p = 50.0, jnp.float32([0.3, 0.3, 0.3])
     post = features_lib.label_posterior(
         state.hist, jnp.array([A, Bk, 2]), p, t=86.0, tau_s=cfg.tau_slow_s, prior_labels=m
     )

@@ -243,24 +243,12 @@ def open_row(row_J, *, t, horizon_s):
 
 
 def record_request(
-    hist: History,
-    *,
-    key,
-    t,
-    tokens,
-    modality,
-    hit,
-    horizon_s,
-    tau_fast_s,
-    tau_slow_s,
-    featurize_fn,
-    label_tau_s=None,
+    hist: History, *, key, t, tokens, modality, hit, horizon_s, tau_fast_s, tau_slow_s, featurize_fn
 ):
     """Everything a request does to the history, reading and writing ``key``'s rows once.
 
     Resolves the open window (label), adds the request, featurizes the key with
-    ``featurize_fn(row_J)`` and opens a new window if due. The key's own labels decay with
-    ``label_tau_s`` (None: ``tau_slow_s``).
+    ``featurize_fn(row_J)`` and opens a new window if due.
 
     Returns:
         (hist, x_I, (label_x_I, label_y, label_emitted)).
@@ -268,8 +256,7 @@ def record_request(
     row = hist.table_PJ[key]
     x_win = row[WIN_X]
     row, y, emitted = resolve_row(row, t=t, horizon_s=horizon_s)
-    label_tau = tau_slow_s if label_tau_s is None else label_tau_s
-    row = row.at[LABELS].set(_add_label(row[LABELS], y, emitted, t=t, tau_s=label_tau))
+    row = row.at[LABELS].set(_add_label(row[LABELS], y, emitted, t=t, tau_s=tau_slow_s))
     row = observe_row(
         row,
         t=t,
