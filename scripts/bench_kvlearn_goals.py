@@ -1,7 +1,8 @@
 """KVLearn quality goals: the Zipf workload at pools 1/4/16 GiB × α 0.8/1.1/1.4 × 5 seeds × 20,000
 requests, every policy in one vmapped batch per policy.
 
-Usage: python scripts/bench_kvlearn_goals.py [--n-requests N] [--seeds 5] [--out results/kvlearn]
+Usage: python scripts/bench_kvlearn_goals.py [--n-requests N] [--seeds 5 | --seed-list 100,101]
+[--out results/kvlearn]
 
 Writes goals.json (all runs, per-cell medians, goal checks), goals.md and goals.png. Goals:
 KVLearn's mean TTFT ≤ LRU-Pool's and within 5 % of the static popularity oracle's in every cell
@@ -148,9 +149,16 @@ def _markdown(checks: list[dict], n: int, n_seeds: int, seconds: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n-requests", type=int, default=20_000)
-    ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--seeds", type=int, default=5, help="trace seeds 0 … N−1")
+    ap.add_argument(
+        "--seed-list",
+        type=lambda v: [int(x) for x in v.split(",")],
+        default=None,
+        help="explicit trace seeds, comma-separated (overrides --seeds)",
+    )
     ap.add_argument("--out", default="results/kvlearn")
     args = ap.parse_args()
+    seeds = args.seed_list if args.seed_list is not None else list(range(args.seeds))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -158,19 +166,19 @@ def main() -> None:
         n_requests=args.n_requests,
         alphas=ALPHAS,
         pools_gib=POOLS,
-        seeds=list(range(args.seeds)),
+        seeds=seeds,
         policies=POLICIES,
     )
     summary = simulate_lib.summarize(rows)
     checks = _cell_checks(rows)
-    md = _markdown(checks, args.n_requests, args.seeds, seconds)
+    md = _markdown(checks, args.n_requests, len(seeds), seconds)
     print(md)
     plot_sim_sweep(summary, path=out / "goals.png", alphas=ALPHAS, policies=list(POLICIES))
     config = {
         "n_requests": args.n_requests,
         "alphas": ALPHAS,
         "pools_gib": POOLS,
-        "seeds": args.seeds,
+        "seeds": seeds,
     }
     data = {
         "config": config,

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import pytest
 
 from jaxkv.kvlearn import Coordinator, KVLearnConfig
+from jaxkv.kvlearn.core import features as features_lib
 from jaxkv.kvlearn.core import prp as prp_lib
 from jaxkv.kvlearn.cost import MIB
 
@@ -57,8 +58,17 @@ def test_admit_without_now_uses_the_lookup_time():
     coord = Coordinator(KVLearnConfig(max_blocks=8, max_keys=16), capacity_bytes=1 << 30)
     assert not coord.lookup("img/a", tokens=576, modality="image")  # wall-clock time
     d = coord.admit("img/a", tokens=576, modality="image")
-    # same time → same features as observed by the lookup → whitened to exactly zero
-    expected = float(
-        jax.nn.sigmoid(prp_lib.logits(coord.state.prp.params, jnp.zeros(16), hidden=32))
+    # same time → same features as observed by the lookup → whitened to exactly zero; and no
+    # exposure yet for the count posterior (the stream's first request, at that same time)
+    mlp = jax.nn.sigmoid(prp_lib.logits(coord.state.prp.params, jnp.zeros(16), hidden=32))
+    st = coord.state
+    expected = features_lib.rate_posterior(
+        st.hist,
+        0,
+        mlp,
+        t=st.first_t,
+        t0=st.first_t,
+        horizon_s=coord.cfg.horizon_s,
+        prior_s=coord.cfg.count_prior_s,
     )
-    assert d.p_hat == pytest.approx(expected, abs=1e-7)
+    assert d.p_hat == pytest.approx(float(expected), abs=1e-7)

@@ -56,7 +56,8 @@ def test_learns_separable_pattern_online():
 
 
 def test_whitening_is_used_before_the_first_prediction():
-    cfg = control_lib.KVLearnConfig(max_blocks=4, max_keys=4)
+    # the MLP's own P̂ (no count posterior on top), which admit reports as p_hat
+    cfg = control_lib.KVLearnConfig(max_blocks=4, max_keys=4, count_prior_s=None)
     state = control_lib.init(cfg, capacity_bytes=1 << 30, key=jax.random.key(0))
     req = control_lib.Request(jnp.int32(1), jnp.int32(576), jnp.int32(1), jnp.float32(0.05))
     state, hit = control_lib.lookup(state, req, cfg=cfg)
@@ -132,7 +133,7 @@ def test_labels_for_a_block_hit_exactly_once():
     np.testing.assert_allclose(
         state.hist.table_PJ[Bk, features_lib.LABELS], [0.0, 1.0, 15.0], rtol=1e-6
     )
-    m, p = cfg.prior_labels, jnp.float32([0.3, 0.3, 0.3])
+    m, p = 50.0, jnp.float32([0.3, 0.3, 0.3])
     post = features_lib.label_posterior(
         state.hist, jnp.array([A, Bk, 2]), p, t=86.0, tau_s=cfg.tau_slow_s, prior_labels=m
     )
