@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # results/distillcache_blend/PROTOCOL.md: `tune` scores kvzip and rerank@<w>: on the training
-# domains; `confirm W` runs the chosen w once on unread BIG-Bench Hard windows. A finished run
+# domains; `confirm W` runs the chosen w once on unread BIG-Bench Hard windows; `earlier W` runs
+# it, after the choice, on the BBH windows earlier runs had read. A finished run
 # is skipped (delete its folder to redo it). Writes results/distillcache_blend/<run>/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -38,5 +39,15 @@ case "${1:-}" in
     run prefill_global "${fresh[@]}" --policies "kvzip,rerank@$w:$ranker,rerank:$ranker,$heur,oracle"
     run prefill_nocap "${fresh[@]}" --head-floor 0 --head-cap 8 \
       --policies "kvzip,rerank@$w:$ranker,rerank:$ranker,oracle" ;;
-  *) echo "usage: $0 tune | confirm W" >&2; exit 2 ;;
+  earlier)  # after the choice: the chosen w on the BBH windows earlier runs had read
+    w=${2:?usage: $0 earlier W}
+    text=runs/distillcache_blend/heldout.txt
+    [[ -f $text ]] || write_text reasoning "$text"
+    for set in "first4 1 4" "middle8 0.5 8"; do
+      read -r name frac n <<< "$set"
+      cut=(--text "$text" --heldout "$frac" --limit "$n" --policies "kvzip,rerank@$w:$ranker")
+      run "earlier_${name}_global" "${cut[@]}"
+      run "earlier_${name}_nocap" "${cut[@]}" --head-floor 0 --head-cap 8
+    done ;;
+  *) echo "usage: $0 tune | confirm W | earlier W" >&2; exit 2 ;;
 esac
