@@ -267,14 +267,24 @@ def _old_int8_ops():
 # --- measurements ----------------------------------------------------------------------------
 
 
-def filled_cache(config, batch, ctx, stats=False, extra=64):
-    """A cache whose first ``ctx`` slots hold random keys/values at positions 0..ctx-1."""
-    cache = kvcache.init_cache(config, batch_size=batch, capacity=ctx + extra, stats=stats)
+def filled_cache(config, batch, ctx, stats=False, extra=64, kv_dtype=None):
+    """A cache whose first ``ctx`` slots hold random keys/values at positions 0..ctx-1
+    (``kv_dtype``: the cache's storage, e.g. "int8" or "float16"; default the model's)."""
+    cache = kvcache.init_cache(
+        config, batch_size=batch, capacity=ctx + extra, stats=stats, dtype=kv_dtype
+    )
     shape = cache.k[:, :, :, :ctx].shape
     key = jax.random.key(0)
+    k, v = jax.random.normal(key, shape), jax.random.normal(jax.random.fold_in(key, 1), shape)
+    if cache.quantized:
+        (k, k_scale), (v, v_scale) = kvcache.quantize(k), kvcache.quantize(v)
+        cache = cache.replace(
+            k_scale=cache.k_scale.at[:, :, :, :ctx].set(k_scale),
+            v_scale=cache.v_scale.at[:, :, :, :ctx].set(v_scale),
+        )
     return cache.replace(
-        k=cache.k.at[:, :, :, :ctx].set(jax.random.normal(key, shape)),
-        v=cache.v.at[:, :, :, :ctx].set(jax.random.normal(jax.random.fold_in(key, 1), shape)),
+        k=cache.k.at[:, :, :, :ctx].set(k.astype(cache.k.dtype)),
+        v=cache.v.at[:, :, :, :ctx].set(v.astype(cache.v.dtype)),
         pos=cache.pos.at[:, :, :, :ctx].set(jnp.arange(ctx)),
         stats={n: a.at[:, :, :, :ctx].set(0.01) for n, a in cache.stats.items()},
         length=jnp.full((batch,), ctx, jnp.int32),
@@ -320,10 +330,10 @@ def _impl_of(model, impl):
 class Decoder:
     """A jitted decode step that owns its (donated) cache."""
 
-    def __init__(self, model, impl, batch, ctx, stats=False):
+    def __init__(self, model, impl, batch, ctx, stats=False, kv_dtype=None):
         self.params = model.params_of(impl) if hasattr(model, "params_of") else model.params
         self.step = decode_fn(_impl_of(model, impl), model.config, self.params)
-        self.cache = filled_cache(model.config, batch, ctx, stats)
+        self.cache = filled_cache(model.config, batch, ctx, stats, kv_dtype=kv_dtype)
         self.token = jnp.zeros((batch,), jnp.int32)
 
     def __call__(self):
@@ -434,10 +444,10 @@ def category(name, op, *, capacity, head_dim, vocab):
     return "other (norms, RoPE, residuals, loop)"
 
 
-def profile(model, impl, batch, ctx, stats, steps=8):
+def profile(model, impl, batch, ctx, stats, steps=8, kv_dtype=None):
     """Profile of decode_step: (ms/step untraced (median), ms/step traced (mean),
     [(op, shape, category, source, ms/step)] sorted by time)."""
-    dec = Decoder(model, impl, batch, ctx, stats)
+    dec = Decoder(model, impl, batch, ctx, stats, kv_dtype=kv_dtype)
     ops = hlo_ops(dec.hlo())
     for _ in range(3):
         dec()
@@ -608,6 +618,9 @@ def main():
         default="float32",
         help="the model's weights (out-first: float32, canonical vs output channels first)",
     )
+    ap.add_argument(
+        "--kv-dtype", default=None, help="``profile``: the cache's storage (int8, float16)"
+    )
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument(
@@ -629,7 +642,15 @@ def main():
     if args.what == "profile":
         print(
             profile_table(
-                *profile(model, args.impl, args.batch, args.context, args.stats), args.top
+                *profile(
+                    model,
+                    args.impl,
+                    args.batch,
+                    args.context,
+                    args.stats,
+                    kv_dtype=args.kv_dtype,
+                ),
+                args.top,
             )
         )
     elif args.what == "parity":
