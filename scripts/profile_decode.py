@@ -531,6 +531,83 @@ def compare(model, reps=9, decode_rows=DECODE_ROWS, prefill_rows=PREFILL_ROWS):
     return out
 
 
+def _old_narrow_cached_attention(q, k_new, v_new, pos_BT, cached, config):
+    """``decoder._cached_attention`` before the float16 fix: a float16 cache's probabilities
+    were rounded to float16 for the p.v dot (int8 caches as in the library)."""
+    ck, cv, cpos, k_scale, v_scale = cached
+    q_pos = pos_BT[:, None, None, :, None]
+    window = config.sliding_window
+    sees_cache = layers.visible(q_pos, cpos[:, :, None, None, :], window)
+    sees_new = layers.visible(q_pos, pos_BT[:, None, None, None, :], window)
+    s_cache = layers.scores(q, ck.astype(q.dtype) if k_scale is not None else ck)
+    if k_scale is not None:
+        s_cache = s_cache * k_scale[:, :, None, None, :]
+    p_cache, p_new = layers.split_softmax(
+        (s_cache, layers.scores(q, k_new)), (sees_cache, sees_new)
+    )
+    if v_scale is None:
+        out_cache = layers.weighted_values(p_cache, cv)
+    else:
+        p_scaled = p_cache * v_scale[:, :, None, None, :]
+        out_cache = layers.weighted_values(p_scaled, cv.astype(v_new.dtype))
+    return out_cache + layers.weighted_values(p_new, v_new), p_cache, p_new
+
+
+@contextlib.contextmanager
+def _patched(module, name, fn):
+    saved = getattr(module, name)
+    setattr(module, name, fn)
+    try:
+        yield
+    finally:
+        setattr(module, name, saved)
+
+
+def kv_compare(model, kv_dtype, rows, reps):
+    """Decode ms/token over a ``kv_dtype`` cache, the attention before the float16 fix
+    ("old", ``_old_narrow_cached_attention``) and the library's ("new"), in turns: rows
+    (batch, context, old median, new median, paired speed-up)."""
+    out = []
+    for batch, ctx in rows:
+        fns = {
+            impl: Decoder(model, "new", batch, ctx, kv_dtype=kv_dtype) for impl in ("old", "new")
+        }
+        with _patched(decoder, "_cached_attention", _old_narrow_cached_attention):
+            fns["old"]()  # traced (and compiled) with the old attention
+        fns["new"]()
+        t = in_turns(fns, reps)
+        ms = [1e3 * _med(t[k]) for k in fns]
+        out.append((batch, ctx, *ms, _paired(t["old"], t["new"])))
+        print(out[-1], flush=True)
+    return out
+
+
+def _no_cache_attention(q, k_new, v_new, pos_BT, cached, config):
+    """A stand-in for ``decoder._cached_attention`` that reads no cache slot (each query sees
+    its own token only): what a decode step costs without attention over the cache."""
+    C = cached[0].shape[2]
+    p_new = jnp.ones((*q.shape[:4], 1), jnp.float32)
+    out = jnp.broadcast_to(v_new[:, :, None], q.shape).astype(q.dtype)
+    return out, jnp.zeros((*q.shape[:4], C), jnp.float32), p_new
+
+
+def attention_share(model, kv_dtype, rows, reps):
+    """Decode ms/token with the library's attention ("with") and without attention over the
+    cache ("without", ``_no_cache_attention``), in turns: rows (batch, context, with,
+    without, median of paired with - without)."""
+    out = []
+    for batch, ctx in rows:
+        fns = {k: Decoder(model, "new", batch, ctx, kv_dtype=kv_dtype) for k in ("with", "w/o")}
+        fns["with"]()
+        with _patched(decoder, "_cached_attention", _no_cache_attention):
+            fns["w/o"]()  # traced without the cache's attention
+        t = in_turns(fns, reps)
+        ms = [1e3 * _med(t[k]) for k in fns]
+        diff = 1e3 * _med([a - b for a, b in zip(t["with"], t["w/o"], strict=True)])
+        out.append((batch, ctx, *ms, diff))
+    return out
+
+
 def _med(x):
     return statistics.median(x)
 
@@ -607,7 +684,10 @@ def _rows(text):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["all", "profile", "bandwidth", "compare", "parity"])
+    ap.add_argument(
+        "what",
+        choices=["all", "profile", "bandwidth", "compare", "parity", "kvcompare", "attnshare"],
+    )
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--stats", action="store_true", help="the cache carries every statistic")
@@ -655,6 +735,19 @@ def main():
         )
     elif args.what == "parity":
         parity(model)
+    elif args.what == "kvcompare":
+        print(open("/proc/loadavg").read().strip())
+        for b, ctx, old, new, up in kv_compare(model, args.kv_dtype, args.decode, args.reps):
+            print(f"batch {b} context {ctx}: old {old:.1f} ms, new {new:.1f} ms, paired {up:.3f}x")
+        print(open("/proc/loadavg").read().strip())
+    elif args.what == "attnshare":
+        print(open("/proc/loadavg").read().strip())
+        for b, ctx, w, wo, d in attention_share(model, args.kv_dtype, args.decode, args.reps):
+            print(
+                f"batch {b} context {ctx}: {w:.1f} ms, without cache attention {wo:.1f} ms,"
+                f" attention {d:.1f} ms ({100 * d / w:.0f} %)"
+            )
+        print(open("/proc/loadavg").read().strip())
     elif args.what == "compare":
         for r in compare(model, args.reps, args.decode, args.prefill):
             print(r)
