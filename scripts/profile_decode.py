@@ -267,14 +267,24 @@ def _old_int8_ops():
 # --- measurements ----------------------------------------------------------------------------
 
 
-def filled_cache(config, batch, ctx, stats=False, extra=64):
-    """A cache whose first ``ctx`` slots hold random keys/values at positions 0..ctx-1."""
-    cache = kvcache.init_cache(config, batch_size=batch, capacity=ctx + extra, stats=stats)
+def filled_cache(config, batch, ctx, stats=False, extra=64, kv_dtype=None):
+    """A cache whose first ``ctx`` slots hold random keys/values at positions 0..ctx-1
+    (``kv_dtype``: the cache's storage, e.g. "int8" or "float16"; default the model's)."""
+    cache = kvcache.init_cache(
+        config, batch_size=batch, capacity=ctx + extra, stats=stats, dtype=kv_dtype
+    )
     shape = cache.k[:, :, :, :ctx].shape
     key = jax.random.key(0)
+    k, v = jax.random.normal(key, shape), jax.random.normal(jax.random.fold_in(key, 1), shape)
+    if cache.quantized:
+        (k, k_scale), (v, v_scale) = kvcache.quantize(k), kvcache.quantize(v)
+        cache = cache.replace(
+            k_scale=cache.k_scale.at[:, :, :, :ctx].set(k_scale),
+            v_scale=cache.v_scale.at[:, :, :, :ctx].set(v_scale),
+        )
     return cache.replace(
-        k=cache.k.at[:, :, :, :ctx].set(jax.random.normal(key, shape)),
-        v=cache.v.at[:, :, :, :ctx].set(jax.random.normal(jax.random.fold_in(key, 1), shape)),
+        k=cache.k.at[:, :, :, :ctx].set(k.astype(cache.k.dtype)),
+        v=cache.v.at[:, :, :, :ctx].set(v.astype(cache.v.dtype)),
         pos=cache.pos.at[:, :, :, :ctx].set(jnp.arange(ctx)),
         stats={n: a.at[:, :, :, :ctx].set(0.01) for n, a in cache.stats.items()},
         length=jnp.full((batch,), ctx, jnp.int32),
@@ -320,10 +330,10 @@ def _impl_of(model, impl):
 class Decoder:
     """A jitted decode step that owns its (donated) cache."""
 
-    def __init__(self, model, impl, batch, ctx, stats=False):
+    def __init__(self, model, impl, batch, ctx, stats=False, kv_dtype=None):
         self.params = model.params_of(impl) if hasattr(model, "params_of") else model.params
         self.step = decode_fn(_impl_of(model, impl), model.config, self.params)
-        self.cache = filled_cache(model.config, batch, ctx, stats)
+        self.cache = filled_cache(model.config, batch, ctx, stats, kv_dtype=kv_dtype)
         self.token = jnp.zeros((batch,), jnp.int32)
 
     def __call__(self):
@@ -434,10 +444,10 @@ def category(name, op, *, capacity, head_dim, vocab):
     return "other (norms, RoPE, residuals, loop)"
 
 
-def profile(model, impl, batch, ctx, stats, steps=8):
+def profile(model, impl, batch, ctx, stats, steps=8, kv_dtype=None):
     """Profile of decode_step: (ms/step untraced (median), ms/step traced (mean),
     [(op, shape, category, source, ms/step)] sorted by time)."""
-    dec = Decoder(model, impl, batch, ctx, stats)
+    dec = Decoder(model, impl, batch, ctx, stats, kv_dtype=kv_dtype)
     ops = hlo_ops(dec.hlo())
     for _ in range(3):
         dec()
@@ -521,6 +531,83 @@ def compare(model, reps=9, decode_rows=DECODE_ROWS, prefill_rows=PREFILL_ROWS):
     return out
 
 
+def _old_narrow_cached_attention(q, k_new, v_new, pos_BT, cached, config):
+    """``decoder._cached_attention`` before the float16 fix: a float16 cache's probabilities
+    were rounded to float16 for the p.v dot (int8 caches as in the library)."""
+    ck, cv, cpos, k_scale, v_scale = cached
+    q_pos = pos_BT[:, None, None, :, None]
+    window = config.sliding_window
+    sees_cache = layers.visible(q_pos, cpos[:, :, None, None, :], window)
+    sees_new = layers.visible(q_pos, pos_BT[:, None, None, None, :], window)
+    s_cache = layers.scores(q, ck.astype(q.dtype) if k_scale is not None else ck)
+    if k_scale is not None:
+        s_cache = s_cache * k_scale[:, :, None, None, :]
+    p_cache, p_new = layers.split_softmax(
+        (s_cache, layers.scores(q, k_new)), (sees_cache, sees_new)
+    )
+    if v_scale is None:
+        out_cache = layers.weighted_values(p_cache, cv)
+    else:
+        p_scaled = p_cache * v_scale[:, :, None, None, :]
+        out_cache = layers.weighted_values(p_scaled, cv.astype(v_new.dtype))
+    return out_cache + layers.weighted_values(p_new, v_new), p_cache, p_new
+
+
+@contextlib.contextmanager
+def _patched(module, name, fn):
+    saved = getattr(module, name)
+    setattr(module, name, fn)
+    try:
+        yield
+    finally:
+        setattr(module, name, saved)
+
+
+def kv_compare(model, kv_dtype, rows, reps):
+    """Decode ms/token over a ``kv_dtype`` cache, the attention before the float16 fix
+    ("old", ``_old_narrow_cached_attention``) and the library's ("new"), in turns: rows
+    (batch, context, old median, new median, paired speed-up)."""
+    out = []
+    for batch, ctx in rows:
+        fns = {
+            impl: Decoder(model, "new", batch, ctx, kv_dtype=kv_dtype) for impl in ("old", "new")
+        }
+        with _patched(decoder, "_cached_attention", _old_narrow_cached_attention):
+            fns["old"]()  # traced (and compiled) with the old attention
+        fns["new"]()
+        t = in_turns(fns, reps)
+        ms = [1e3 * _med(t[k]) for k in fns]
+        out.append((batch, ctx, *ms, _paired(t["old"], t["new"])))
+        print(out[-1], flush=True)
+    return out
+
+
+def _no_cache_attention(q, k_new, v_new, pos_BT, cached, config):
+    """A stand-in for ``decoder._cached_attention`` that reads no cache slot (each query sees
+    its own token only): what a decode step costs without attention over the cache."""
+    C = cached[0].shape[2]
+    p_new = jnp.ones((*q.shape[:4], 1), jnp.float32)
+    out = jnp.broadcast_to(v_new[:, :, None], q.shape).astype(q.dtype)
+    return out, jnp.zeros((*q.shape[:4], C), jnp.float32), p_new
+
+
+def attention_share(model, kv_dtype, rows, reps):
+    """Decode ms/token with the library's attention ("with") and without attention over the
+    cache ("without", ``_no_cache_attention``), in turns: rows (batch, context, with,
+    without, median of paired with - without)."""
+    out = []
+    for batch, ctx in rows:
+        fns = {k: Decoder(model, "new", batch, ctx, kv_dtype=kv_dtype) for k in ("with", "w/o")}
+        fns["with"]()
+        with _patched(decoder, "_cached_attention", _no_cache_attention):
+            fns["w/o"]()  # traced without the cache's attention
+        t = in_turns(fns, reps)
+        ms = [1e3 * _med(t[k]) for k in fns]
+        diff = 1e3 * _med([a - b for a, b in zip(t["with"], t["w/o"], strict=True)])
+        out.append((batch, ctx, *ms, diff))
+    return out
+
+
 def _med(x):
     return statistics.median(x)
 
@@ -597,7 +684,10 @@ def _rows(text):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["all", "profile", "bandwidth", "compare", "parity"])
+    ap.add_argument(
+        "what",
+        choices=["all", "profile", "bandwidth", "compare", "parity", "kvcompare", "attnshare"],
+    )
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--stats", action="store_true", help="the cache carries every statistic")
@@ -607,6 +697,9 @@ def main():
         choices=["float32", "int8", "out-first"],
         default="float32",
         help="the model's weights (out-first: float32, canonical vs output channels first)",
+    )
+    ap.add_argument(
+        "--kv-dtype", default=None, help="``profile``: the cache's storage (int8, float16)"
     )
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--top", type=int, default=15)
@@ -629,11 +722,32 @@ def main():
     if args.what == "profile":
         print(
             profile_table(
-                *profile(model, args.impl, args.batch, args.context, args.stats), args.top
+                *profile(
+                    model,
+                    args.impl,
+                    args.batch,
+                    args.context,
+                    args.stats,
+                    kv_dtype=args.kv_dtype,
+                ),
+                args.top,
             )
         )
     elif args.what == "parity":
         parity(model)
+    elif args.what == "kvcompare":
+        print(open("/proc/loadavg").read().strip())
+        for b, ctx, old, new, up in kv_compare(model, args.kv_dtype, args.decode, args.reps):
+            print(f"batch {b} context {ctx}: old {old:.1f} ms, new {new:.1f} ms, paired {up:.3f}x")
+        print(open("/proc/loadavg").read().strip())
+    elif args.what == "attnshare":
+        print(open("/proc/loadavg").read().strip())
+        for b, ctx, w, wo, d in attention_share(model, args.kv_dtype, args.decode, args.reps):
+            print(
+                f"batch {b} context {ctx}: {w:.1f} ms, without cache attention {wo:.1f} ms,"
+                f" attention {d:.1f} ms ({100 * d / w:.0f} %)"
+            )
+        print(open("/proc/loadavg").read().strip())
     elif args.what == "compare":
         for r in compare(model, args.reps, args.decode, args.prefill):
             print(r)

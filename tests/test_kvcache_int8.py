@@ -100,6 +100,33 @@ def test_attention_over_an_int8_cache_equals_full_precision_over_its_dequantized
             np.testing.assert_allclose(i8.stats[name], f32.stats[name], rtol=1e-4, atol=1e-6)
 
 
+def _rounded_to(cache, dtype):
+    """A float32 cache whose keys and values were rounded through ``dtype``."""
+    return cache.replace(
+        k=cache.k.astype(dtype).astype(jnp.float32), v=cache.v.astype(dtype).astype(jnp.float32)
+    )
+
+
+def test_attention_over_a_float16_cache_computes_in_float32():
+    # A float16 cache stores rounded keys and values; widening them to float32 is exact, so
+    # attention over it must equal float32 attention over the rounded values up to float32
+    # rounding (1e-5). Rounding the probabilities to float16 instead (relative error up to
+    # 2^-11 = 5e-4 per weight) moves these logits by ~1e-4 and fails this tolerance.
+    f32 = kvcache.init_cache(CFG, batch_size=2, capacity=PROMPT + 6, stats=True)
+    f16 = kvcache.init_cache(CFG, batch_size=2, capacity=PROMPT + 6, stats=True, dtype="float16")
+    _, f32 = decoder.prefill(PARAMS, TOKENS[:, :PROMPT], f32, config=CFG)
+    _, f16 = decoder.prefill(PARAMS, TOKENS[:, :PROMPT], f16, config=CFG)
+    assert f16.k.dtype == jnp.float16
+    step = jax.jit(decoder.decode_step, static_argnames="config")
+    for t in range(PROMPT, PROMPT + 6):
+        f32 = _rounded_to(f32, jnp.float16)
+        ref, f32 = step(PARAMS, TOKENS[:, t], f32, config=CFG)
+        out, f16 = step(PARAMS, TOKENS[:, t], f16, config=CFG)
+        np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+        for name in kvcache.STAT_NAMES:
+            np.testing.assert_allclose(f16.stats[name], f32.stats[name], rtol=1e-4, atol=1e-6)
+
+
 def test_int8_logits_stay_close_to_the_full_precision_cache():
     # Each stored element moves by at most half a step, max|row| / 254 (0.4 % of the row's
     # largest entry; test above). On this model that costs the next-token distribution a

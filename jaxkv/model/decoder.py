@@ -182,9 +182,12 @@ def _cached_attention(q, k_new, v_new, pos_BT, cached, config: ModelConfig):
     One softmax over both key parts, never concatenated; visibility comes from positions
     and broadcasts over the query heads inside the fused ops (no [B, K, G, T, C] mask).
     ``cached`` is the layer's (keys, values, pos, key scales, value scales); the scales are
-    None for a full-precision cache. An int8 cache is dequantized without materializing
-    float keys or values: a slot's key scale multiplies its scores (s = scale * q.k_int8)
-    and its value scale the probabilities that weight its int8 value. The new tokens attend
+    None for a full-precision cache. An int8 cache is dequantized by folding its scales: a
+    slot's key scale multiplies its scores (s = scale * q.k_int8) and its value scale the
+    probabilities that weight its value. The keys' widening is fused into the score dots
+    (read in place); the values' is a float copy of the layer's values, which XLA:CPU's dot
+    needs (results/profile_decode.md, "Compressed decoding with the int8 KV cache"). The
+    new tokens attend
     to their own keys and values in full precision (they are quantized when written).
 
     Returns:
@@ -192,22 +195,21 @@ def _cached_attention(q, k_new, v_new, pos_BT, cached, config: ModelConfig):
         [B, K, G, T, C] and of the new tokens [B, K, G, T, T].
     """
     ck, cv, cpos, k_scale, v_scale = cached
+    # A narrower cache (float16, int8) is widened to the model's dtype as it is read, never
+    # the probabilities narrowed to the cache's: the dots run in the model's precision.
+    ck, cv = ck.astype(q.dtype), cv.astype(v_new.dtype)
     q_pos = pos_BT[:, None, None, :, None]
     window = config.sliding_window
     sees_cache = layers.visible(q_pos, cpos[:, :, None, None, :], window)  # [B, K, 1, T, C]
     sees_new = layers.visible(q_pos, pos_BT[:, None, None, None, :], window)  # [B, 1, 1, T, T]
-    if k_scale is None:
-        s_cache = layers.scores(q, ck)
-    else:
-        s_cache = layers.scores(q, ck.astype(q.dtype)) * k_scale[:, :, None, None, :]
+    s_cache = layers.scores(q, ck)
+    if k_scale is not None:
+        s_cache = s_cache * k_scale[:, :, None, None, :]
     p_cache, p_new = layers.split_softmax(
         (s_cache, layers.scores(q, k_new)), (sees_cache, sees_new)
     )
-    if v_scale is None:
-        out_cache = layers.weighted_values(p_cache, cv)
-    else:
-        p_scaled = p_cache * v_scale[:, :, None, None, :]
-        out_cache = layers.weighted_values(p_scaled, cv.astype(v_new.dtype))
+    p_values = p_cache if v_scale is None else p_cache * v_scale[:, :, None, None, :]
+    out_cache = layers.weighted_values(p_values, cv)
     return out_cache + layers.weighted_values(p_new, v_new), p_cache, p_new
 
 
