@@ -186,9 +186,8 @@ def _cached_attention(q, k_new, v_new, pos_BT, cached, config: ModelConfig):
     slot's key scale multiplies its scores (s = scale * q.k_int8) and its value scale the
     probabilities that weight its value. The keys' widening is fused into the score dots
     (read in place); the values' is a float copy of the layer's values, which XLA:CPU's dot
-    needs (results/profile_decode.md, "Compressed decoding with the int8 KV cache"). The
-    new tokens attend
-    to their own keys and values in full precision (they are quantized when written).
+    needs (results/profile_decode.md, "Compressed decoding with the int8 KV cache"). The new
+    tokens attend to their own keys and values in full precision (quantized when written).
 
     Returns:
         The output [B, K, G, T, H] and the probabilities of the cache slots
