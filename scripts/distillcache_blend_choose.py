@@ -59,8 +59,10 @@ def main(argv=None) -> int:
         "",
         "| domain | r | " + " | ".join(f"w = {w:g}" for w in weights) + " |",
         "|---|---|" + "---|" * len(weights),
-        *(f"| {d} | {r:g} | " + " | ".join(f"{c[w]:.3f}" for w in weights) + " |"
-          for (d, r), c in sorted(cells.items())),  # fmt: skip
+        *(
+            f"| {d} | {r:g} | " + " | ".join(f"{c[w]:.3f}" for w in weights) + " |"
+            for (d, r), c in sorted(cells.items())
+        ),  # fmt: skip
         "| **geometric mean** | | " + " | ".join(f"**{geo[w]:.3f}**" for w in weights) + " |",
         "",
         f"Chosen: **w = {best:g}**.",

@@ -92,7 +92,7 @@ def test_blend_against_a_numpy_reference():
     got = np.asarray(rerank_lib.blend(order, recon, valid, 0.3))
     for idx in np.ndindex(order.shape[:-1]):
         v = valid[idx]
-        z = lambda x: (x - x[v].mean()) / x[v].std()  # noqa: E731
+        z = lambda x, v=v: (x - x[v].mean()) / x[v].std()  # noqa: E731
         want = np.where(v, 0.3 * z(order[idx]) + 0.7 * z(np.log(recon[idx])), -np.inf)
         np.testing.assert_allclose(got[idx], want, rtol=1e-5, atol=1e-5)
 
@@ -117,7 +117,9 @@ def test_blend_weights_zero_and_one_are_kvzip_and_rerank():
     assert half not in (_kept("kvzip"), _kept("rerank:h2o"))  # a third order on this cache
 
 
-@pytest.mark.parametrize("bad", ["rerank@1.5:h2o", "rerank@x:h2o", "rerank@0.5:", "rerank@0.5:rerank:h2o"])
+@pytest.mark.parametrize(
+    "bad", ["rerank@1.5:h2o", "rerank@x:h2o", "rerank@0.5:", "rerank@0.5:rerank:h2o"]
+)
 def test_bad_blend_names_are_refused(bad):
     with pytest.raises(ValueError, match="rerank"):
         get_policy(bad)

@@ -96,7 +96,9 @@ def rerank(inner: Policy, *, weight: float = 1.0) -> Policy:
     ``blend`` of ``inner``'s and kvzip's at ``weight`` < 1 (module docstring)."""
     if not inner.evicts or inner.window_input not in (None, "reconstruction"):
         raise ValueError(f"rerank: needs an evicting cache-scoring policy, got {inner.name!r}")
-    if inner.name == kvzip_lib.NAME or inner.name.startswith((critical_lib.PREFIX, PREFIX, WEIGHTED)):
+    if inner.name == kvzip_lib.NAME or inner.name.startswith(
+        (critical_lib.PREFIX, PREFIX, WEIGHTED)
+    ):
         raise ValueError(f"rerank: cannot wrap {inner.name!r}")
     if "prefill" not in inner.protocols:
         raise ValueError(f"rerank: {inner.name!r} does not run in the prefill protocol")
