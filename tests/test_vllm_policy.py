@@ -439,7 +439,7 @@ def test_guard_leader_with_a_floor_against_a_brute_force_reference():
         lead = scores[cand] - scores[inc]
         if h == 0.0 and f == 0:
             assert got == cand
-        elif lead > h * scores[inc] and lead > f:
+        elif scores[cand] > (1 + h) * scores[inc] and lead > f:
             assert got == cand
         elif scores[inc] < scores[0]:
             assert got == 0

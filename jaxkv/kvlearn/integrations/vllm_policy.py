@@ -720,15 +720,16 @@ def guard_leader(
     new leader. With h > 0 the incumbent keeps the lead unless the candidate's score is above
     (1 + h) × the incumbent's (a lead worth a change of contents), or the incumbent has fallen
     below the anchor, which then leads (backing off to lru is never delayed). ``floor`` (same
-    units as the scores, ≥ 0) is an absolute lower bound on that margin: the candidate must be
-    above the incumbent's score by more than max(h × the incumbent's score, ``floor``)."""
+    units as the scores, ≥ 0) is an absolute lower bound on that margin: the candidate's score
+    must also be above the incumbent's + ``floor``."""
     b = len(scores) - 1
     best = max(range(b), key=lambda k: (scores[k], -k))
     cand = b if scores[b] > (1.0 + slack) * scores[best] else best
     if hysteresis == 0.0 and floor == 0.0:
         return cand
     inc = scores[incumbent]
-    if scores[cand] > inc + max(hysteresis * inc, floor):
+    bar = (1.0 + hysteresis) * inc  # the shipped comparison, bit for bit, when floor is 0
+    if scores[cand] > (max(bar, inc + floor) if floor > 0.0 else bar):
         return cand
     return 0 if inc < scores[0] else incumbent
 
