@@ -1,4 +1,4 @@
-"""Session 11: the guard's leader rule on short MM-Session traces (results/kvlearn/vllm_guard_rule_s11.md).
+"""Session 11: the guard's leader rule on short MM-Session traces (vllm_guard_rule_s11.md).
 
     .venv-vllm/bin/python scripts/vllm_guard_short.py log SESSIONS FIRST_SEED END_SEED [--out DIR]
     .venv-vllm/bin/python scripts/vllm_guard_short.py eval SESSIONS FIRST_SEED END_SEED --floor F
@@ -27,6 +27,9 @@ GUARD = vllm_policy.KVLearnGuardCachePolicy
 
 
 def logged(log: list, **attrs) -> type:
+    """The guard with ``attrs`` set, appending (old leader, new, real score, shadow scores)
+    to ``log`` after every request."""
+
     class Logged(GUARD):
         def _choose_leader(self):
             old = self.leader
@@ -39,6 +42,7 @@ def logged(log: list, **attrs) -> type:
 
 
 def attr(text: str) -> tuple[str, object]:
+    """``--set NAME=VALUE`` as a guard class attribute (``baselines=lru+arc``: a tuple)."""
     name, value = text.split("=", 1)
     if name == "baselines":
         return name, tuple(value.split("+"))
@@ -46,6 +50,7 @@ def attr(text: str) -> tuple[str, object]:
 
 
 def cells(sessions: int, first: int, end: int):
+    """(seed, pool fraction, trace, config) of ``vllm_guard_small_mm.py``'s cells."""
     rho = bench_lib.protocol_rho()
     for seed in range(first, end):
         tr, nodes = trace(sessions, seed, rho)
@@ -62,8 +67,13 @@ def main() -> None:
     ap.add_argument("sessions", type=int)
     ap.add_argument("first", type=int)
     ap.add_argument("end", type=int)
-    ap.add_argument("--set", action="append", default=[], metavar="ATTR=VALUE",
-                    help="guard class attribute (floor, min_requests, hysteresis, baselines=a+b)")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="ATTR=VALUE",
+        help="guard class attribute (floor, min_requests, hysteresis, baselines=a+b)",
+    )
     ap.add_argument("--out", default="/tmp/vllm_guard_short")
     args = ap.parse_args()
     out = Path(args.out)
@@ -72,7 +82,9 @@ def main() -> None:
     for seed, frac, tr, cfg in cells(args.sessions, args.first, args.end):
         t0 = time.time()
         log: list = []
-        rows = vllm_replay.run(tr, ("lru", "arc", logged(log, **attrs)), cfg=cfg, cost=bench_lib.COST)
+        rows = vllm_replay.run(
+            tr, ("lru", "arc", logged(log, **attrs)), cfg=cfg, cost=bench_lib.COST
+        )
         lru, arc, g = (r["hit_saving_ms_mean"] for r in rows)
         gd = rows[2]["guard"]
         print(
