@@ -1162,7 +1162,10 @@ class KVLearnGuardFloorCachePolicy(KVLearnGuardCachePolicy):
     margin) and paid a change of contents at each of 17 changes (seed 111, 25 % pool: the real
     pool 22.9 s below lru's shadow at the end, while the shadow it followed last led lru by
     1.0 s). Chosen among 14 settings on seeds 100–111 (design data, the rule file has every
-    result), not yet shown on full-size traces beyond one fresh seed."""
+    result). Held out, run once (``results/kvlearn/vllm_guard_short_s11.md``,
+    ``vllm_replay_seed12.md``): never below lru on short seeds 200–211 but below arc in 2 of 24
+    cells; on full-size seed 12 below lru in 1 of 12 (chat 10 %, −0.084 ms per request), where
+    the shipped guard is below lru in another (MM-Session 25 %, −1.948). Not the default."""
 
     baselines = ("lru", "arc")
     floor = 20.0
