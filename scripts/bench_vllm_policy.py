@@ -116,7 +116,9 @@ alone. Both losses of the rule-fixed guard came from brief changes of leader bet
 of near-equal score (lru → cost_aware or arc → lru), not from the learner."""
 PREVIOUS = type("KVLearnGuard_s9", (vllm_policy.KVLearnGuardCachePolicy,), {"hysteresis": 0.0})
 """Session 9's guard (no hysteresis), shown next to the shipped one (``--variant``)."""
-VARIANT = PREVIOUS
+FLOOR = vllm_policy.KVLearnGuardFloorCachePolicy
+"""Session 11's candidate for short traces (``results/kvlearn/vllm_guard_rule_s11.md``)."""
+VARIANT = FLOOR
 """What ``--variant`` adds (fresh seeds only)."""
 VARIANT_NOTES = {
     LRU_ARC.__name__: (
@@ -127,6 +129,11 @@ VARIANT_NOTES = {
     PREVIOUS.__name__: (
         "**The previous guard** (session 9's `KVLearnGuardCachePolicy`: the same shadows, no "
         "hysteresis, the leader is the candidate after every request)"
+    ),
+    FLOOR.__name__: (
+        "**Session 11's candidate** (`KVLearnGuardFloorCachePolicy`: baselines `lru`, `arc`; "
+        "a lead must exceed max(0.1 %, 20 requests of lru's mean hit saving); chosen on short "
+        "MM-Session traces, `vllm_guard_rule_s11.md`)"
     ),
 }
 """Each extra guard a replay file may hold, as its table is introduced."""

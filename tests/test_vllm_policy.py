@@ -416,6 +416,79 @@ def test_guard_with_a_margin_no_lead_clears_is_vllm_lru_call_for_call():
     assert row["calls"] > 200 and row["matches"] == row["calls"] == row["jaxkv_calls"]
 
 
+@pytest.mark.vllm
+def test_guard_floor_is_the_anchors_mean_saving_per_request():
+    vp, _ = _vllm()
+    assert vp.guard_floor(20.0, 1000.0, 4) == 5000.0  # 20 requests of 250 ms
+    assert vp.guard_floor(20.0, 1000.0, 0) == 0.0  # before any request: the relative margin
+    assert vp.guard_floor(20.0, -5.0, 3) == 0.0  # lru has saved nothing (or less)
+    assert vp.guard_floor(0.0, 1000.0, 4) == 0.0
+
+
+@pytest.mark.vllm
+def test_guard_leader_with_a_floor_against_a_brute_force_reference():
+    # every leader the rule may name (the candidate on a lead above both margins, else the
+    # incumbent unless behind lru, else lru), checked on scores around each margin
+    vp, _ = _vllm()
+    rng = random.Random(2)
+    for _ in range(3000):
+        n, h, f = rng.randint(2, 6), rng.choice([0.0, 0.001, 0.05]), rng.choice([0, 1, 5, 50])
+        scores, inc = _random_scores(rng, n), rng.randrange(n)
+        got = vp.guard_leader(scores, inc, hysteresis=h, floor=f)
+        cand = _shipped_leader(scores)
+        lead = scores[cand] - scores[inc]
+        if h == 0.0 and f == 0:
+            assert got == cand
+        elif scores[cand] > (1 + h) * scores[inc] and lead > f:
+            assert got == cand
+        elif scores[inc] < scores[0]:
+            assert got == 0
+        else:
+            assert got == inc
+    # a floor only adds to the margin: where the shipped rule keeps the incumbent, so does it
+    for _ in range(3000):
+        n = rng.randint(2, 6)
+        scores, inc = _random_scores(rng, n), rng.randrange(n)
+        if vp.guard_leader(scores, inc, hysteresis=0.001) == inc:
+            assert vp.guard_leader(scores, inc, hysteresis=0.001, floor=7) == inc
+
+
+@pytest.mark.vllm
+def test_guard_with_a_floor_follows_a_hand_worked_switch_sequence():
+    # lru, arc, kvlearn; floor 20 requests of lru's mean saving, hysteresis 0.1 %
+    pol = _make("KVLearnGuardFloorCachePolicy", 8)
+    names = [sh.name for sh in pol.shadows]
+    assert names == ["lru", "arc", "kvlearn"] and pol.floor == 20.0
+
+    def lead(*scores):
+        for sh, s in zip(pol.shadows, scores, strict=True):
+            sh.saved = s
+        pol._choose_leader()
+        return names[pol.leader]
+
+    # request 1: mean 1000, floor 20,000: arc's lead of 5,000 (500 %) does not move it
+    assert lead(1000, 6000, 0) == "lru"
+    # request 2: mean 1000, floor 20,000; arc ahead by exactly 20,000: still lru
+    assert lead(2000, 22000, 0) == "lru"
+    # request 3: mean 1000: arc ahead by 20,001, above both margins
+    assert lead(3000, 23001, 0) == "arc"
+    # request 4: floor 20 × 1000; the learner 19,000 ahead of the incumbent: arc stays
+    assert lead(4000, 24000, 43000) == "arc"
+    # request 5: floor 20,000; the learner 20,001 ahead (0.1 % of arc's 25,000 is only 25)
+    assert lead(5000, 25000, 45001) == "kvlearn"
+    # request 6: the learner falls behind lru: lru at once, whatever the floor
+    assert lead(47000, 25000, 46000) == "lru"
+    assert pol.leader_changes == 3 and pol.requests == 6
+
+
+@pytest.mark.vllm
+def test_guard_with_a_huge_floor_is_vllm_lru_call_for_call():
+    vp, _ = _vllm()
+    stay = type("Floored", (vp.KVLearnGuardCachePolicy,), {"hysteresis": 0.0, "floor": 1e9})
+    (row,) = _cross((("lru", stay),), n=600)
+    assert row["calls"] > 200 and row["matches"] == row["calls"] == row["jaxkv_calls"]
+
+
 def _mm_session_trace(tmp_path, *, sessions, seed, load):
     """A small MM-Session trace (issue 15's heavy tuning configuration) at ``load``."""
     from jaxkv.kvlearn import workloads
@@ -461,3 +534,21 @@ def test_guard_short_replay_scores_every_pool():
     assert 0 <= g["learner_requests"] <= len(tr) and g["orphan_evictions"] <= r["evictions"]
     assert r["admits"] - r["evictions"] <= cfg.pool_blocks
     assert 0 < r["hit_rate"] < 1 and r["hit_saving_ms_mean"] > 0
+
+
+@pytest.mark.vllm
+def test_guard_with_a_floor_keeps_lru_where_the_shipped_guard_lost(tmp_path):
+    # session 11's diagnosed cell (results/kvlearn/vllm_guard_rule_s11.md): seed 111, 60
+    # sessions, 344 requests, one node, a quarter of the distinct blocks; the shipped guard made
+    # 17 leader changes and ends below vLLM's lru, the floor candidate never leaves it
+    vp, vr = _vllm()
+    from jaxkv.kvlearn.cost import CostModel
+    from jaxkv.kvlearn.serving.engine import ServingConfig
+
+    tr = _mm_session_trace(tmp_path, sessions=60, seed=111, load=1.0168165692539413)
+    cfg = ServingConfig(pool_blocks=500, prefill_nodes=1)
+    policies = ("lru", "KVLearnGuardCachePolicy", "KVLearnGuardFloorCachePolicy")
+    rows = vr.run(tr, policies, cfg=cfg, cost=CostModel.llama3_8b_a100())
+    lru, shipped, floored = (r["hit_saving_ms_mean"] for r in rows)
+    assert len(tr) == 344 and shipped < lru == floored
+    assert rows[1]["guard"]["leader_changes"] > 0 == rows[2]["guard"]["leader_changes"]

@@ -20,5 +20,6 @@ JAXKV_POLICIES = (
     "JaxkvGDSF",
     "KVLearnCachePolicy",
     "KVLearnGuardCachePolicy",
+    "KVLearnGuardFloorCachePolicy",
 )
 """jaxkv's vLLM cache policies, by class name in ``VLLM_POLICY_MODULE``."""
