@@ -16,12 +16,10 @@ import pickle
 import time
 from pathlib import Path
 
-import bench_kvlearn_serving as protocol_lib  # scripts/, this script's folder
 import bench_vllm_policy as bench_lib
-from vllm_guard_small_mm import trace
+from vllm_guard_small_mm import cells
 
 from jaxkv.kvlearn.integrations import vllm_policy, vllm_replay
-from jaxkv.kvlearn.serving.engine import ServingConfig
 
 GUARD = vllm_policy.KVLearnGuardCachePolicy
 
@@ -47,18 +45,6 @@ def attr(text: str) -> tuple[str, object]:
     if name == "baselines":
         return name, tuple(value.split("+"))
     return name, (int(value) if name == "min_requests" else float(value))
-
-
-def cells(sessions: int, first: int, end: int):
-    """(seed, pool fraction, trace, config) of ``vllm_guard_small_mm.py``'s cells."""
-    rho = bench_lib.protocol_rho()
-    for seed in range(first, end):
-        tr, nodes = trace(sessions, seed, rho)
-        for frac in (0.25, 0.5):
-            cfg = ServingConfig(
-                pool_blocks=int(frac * protocol_lib._distinct(tr)), prefill_nodes=nodes
-            )
-            yield seed, frac, tr, cfg
 
 
 def main() -> None:

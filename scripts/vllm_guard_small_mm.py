@@ -26,8 +26,9 @@ def trace(sessions: int, seed: int, rho: float):
     )
 
 
-def main() -> None:
-    sessions, first, end = (int(a) for a in sys.argv[1:4])
+def cells(sessions: int, first: int, end: int):
+    """(seed, pool fraction, trace, config) of every cell: seeds ``first``..``end - 1``, pools
+    of 25 and 50 % of the trace's distinct blocks."""
     rho = bench_lib.protocol_rho()
     for seed in range(first, end):
         tr, nodes = trace(sessions, seed, rho)
@@ -35,17 +36,23 @@ def main() -> None:
             cfg = ServingConfig(
                 pool_blocks=int(frac * protocol_lib._distinct(tr)), prefill_nodes=nodes
             )
-            t0 = time.time()
-            rows = vllm_replay.run(tr, ("lru", UNGUARDED), cfg=cfg, cost=bench_lib.COST)
-            lru, old = (r["hit_saving_ms_mean"] for r in rows)
-            line = (
-                f"seed {seed} frac {frac} n {len(tr)} nodes {nodes} lru {lru:.4f} S {old:.4f} "
-                f"changes {rows[1]['guard']['leader_changes']}"
-            )
-            if old < lru:
-                (a,) = vllm_replay.run(tr, (SHIPPED,), cfg=cfg, cost=bench_lib.COST)
-                line += f" A {a['hit_saving_ms_mean']:.4f} changes {a['guard']['leader_changes']}"
-            print(line, f"{time.time() - t0:.0f}s", flush=True)
+            yield seed, frac, tr, cfg
+
+
+def main() -> None:
+    sessions, first, end = (int(a) for a in sys.argv[1:4])
+    for seed, frac, tr, cfg in cells(sessions, first, end):
+        t0 = time.time()
+        rows = vllm_replay.run(tr, ("lru", UNGUARDED), cfg=cfg, cost=bench_lib.COST)
+        lru, old = (r["hit_saving_ms_mean"] for r in rows)
+        line = (
+            f"seed {seed} frac {frac} n {len(tr)} nodes {cfg.prefill_nodes} lru {lru:.4f} "
+            f"S {old:.4f} changes {rows[1]['guard']['leader_changes']}"
+        )
+        if old < lru:
+            (a,) = vllm_replay.run(tr, (SHIPPED,), cfg=cfg, cost=bench_lib.COST)
+            line += f" A {a['hit_saving_ms_mean']:.4f} changes {a['guard']['leader_changes']}"
+        print(line, f"{time.time() - t0:.0f}s", flush=True)
 
 
 if __name__ == "__main__":
