@@ -21,6 +21,10 @@ from jaxkv.evals.runner import load_eval_model
 from jaxkv.rl.data import write_domain_text
 write_domain_text('$1', '$2', tokenizer=load_eval_model('smollm2-135m').tokenizer)"
 }
+heldout=runs/distillcache_blend/heldout.txt  # the BBH text (confirm, earlier)
+case "${1:-}" in
+  confirm | earlier) [[ -f $heldout ]] || write_text reasoning "$heldout" ;;
+esac
 case "${1:-}" in
   tune)
     weights=$(printf "rerank@%s:$ranker," 0.25 0.5 0.75)
@@ -32,20 +36,16 @@ case "${1:-}" in
     "$py" scripts/distillcache_blend_choose.py "$out" ;;
   confirm)
     w=${2:?usage: $0 confirm W}
-    text=runs/distillcache_blend/heldout.txt
-    [[ -f $text ]] || write_text reasoning "$text"
-    fresh=(--text "$text" --heldout 0.25 --limit 8)
+    fresh=(--text "$heldout" --heldout 0.25 --limit 8)
     heur=h2o,critical:h2o,tova,snapkv,expected_attention,streaming_llm
     run prefill_global "${fresh[@]}" --policies "kvzip,rerank@$w:$ranker,rerank:$ranker,$heur,oracle"
     run prefill_nocap "${fresh[@]}" --head-floor 0 --head-cap 8 \
       --policies "kvzip,rerank@$w:$ranker,rerank:$ranker,oracle" ;;
   earlier)  # after the choice: the chosen w on the BBH windows earlier runs had read
     w=${2:?usage: $0 earlier W}
-    text=runs/distillcache_blend/heldout.txt
-    [[ -f $text ]] || write_text reasoning "$text"
     for set in "first4 1 4" "middle8 0.5 8"; do
       read -r name frac n <<< "$set"
-      cut=(--text "$text" --heldout "$frac" --limit "$n" --policies "kvzip,rerank@$w:$ranker")
+      cut=(--text "$heldout" --heldout "$frac" --limit "$n" --policies "kvzip,rerank@$w:$ranker")
       run "earlier_${name}_global" "${cut[@]}"
       run "earlier_${name}_nocap" "${cut[@]}" --head-floor 0 --head-cap 8
     done ;;

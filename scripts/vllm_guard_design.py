@@ -71,20 +71,27 @@ def evaluate(name: str, sets: list[str], out: Path) -> None:
             (out / f"design_{name}.json").write_text(json.dumps(rows, indent=1))
 
 
-def log_cell(which: str, workload: str, frac: float, out: Path) -> None:
-    log = []
+def logged(log: list, **attrs) -> type:
+    """The guard with class attributes ``attrs``, appending (old leader, new, real score,
+    shadow scores) to ``log`` after every request."""
 
     class Logged(GUARD):
-        hysteresis = 0.0  # session 9's rule, the one diagnosed
-
         def _choose_leader(self):
             old = self.leader
             super()._choose_leader()
             log.append((old, self.leader, self.saved_real, [sh.saved for sh in self.shadows]))
 
+    for k, v in attrs.items():
+        setattr(Logged, k, v)
+    return Logged
+
+
+def log_cell(which: str, workload: str, frac: float, out: Path) -> None:
+    log = []
+    guard = logged(log, hysteresis=0.0)  # session 9's rule, the one diagnosed
     tr, nodes = traces(which)[workload]
     cfg = ServingConfig(pool_blocks=int(frac * protocol_lib._distinct(tr)), prefill_nodes=nodes)
-    vllm_replay.run(tr, (Logged,), cfg=cfg, cost=bench_lib.COST)
+    vllm_replay.run(tr, (guard,), cfg=cfg, cost=bench_lib.COST)
     names = [*GUARD.baselines, "kvlearn"]
     last = 0.0
     for i, (old, new, real, s) in enumerate(log):

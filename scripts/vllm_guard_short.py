@@ -1,12 +1,13 @@
 """Session 11: the guard's leader rule on short MM-Session traces (vllm_guard_rule_s11.md).
 
     .venv-vllm/bin/python scripts/vllm_guard_short.py log SESSIONS FIRST_SEED END_SEED [--out DIR]
-    .venv-vllm/bin/python scripts/vllm_guard_short.py eval SESSIONS FIRST_SEED END_SEED --floor F
+    .venv-vllm/bin/python scripts/vllm_guard_short.py eval SESSIONS FIRST_SEED END_SEED \
+        [--set ATTR=VALUE ...]
 
 log: per cell (the traces and pools of ``vllm_guard_small_mm.py``), vLLM's lru and arc and the
-shipped guard, with the guard's per-request leader, real score and shadow scores pickled
-(diagnosis and design). eval: the same cells with the guard's ``floor`` set to F (lru and arc
-beside it), one line per cell.
+guard, with the guard's per-request leader, real score and shadow scores pickled (diagnosis and
+design). eval: the same, one line per cell, no pickles. ``--set`` changes a guard class
+attribute (e.g. ``floor=20``, ``baselines=lru+arc``); without it, the shipped guard.
 """
 
 from __future__ import annotations
@@ -17,26 +18,10 @@ import time
 from pathlib import Path
 
 import bench_vllm_policy as bench_lib
+from vllm_guard_design import logged
 from vllm_guard_small_mm import cells
 
-from jaxkv.kvlearn.integrations import vllm_policy, vllm_replay
-
-GUARD = vllm_policy.KVLearnGuardCachePolicy
-
-
-def logged(log: list, **attrs) -> type:
-    """The guard with ``attrs`` set, appending (old leader, new, real score, shadow scores)
-    to ``log`` after every request."""
-
-    class Logged(GUARD):
-        def _choose_leader(self):
-            old = self.leader
-            super()._choose_leader()
-            log.append((old, self.leader, self.saved_real, [sh.saved for sh in self.shadows]))
-
-    for k, v in attrs.items():
-        setattr(Logged, k, v)
-    return Logged
+from jaxkv.kvlearn.integrations import vllm_replay
 
 
 def attr(text: str) -> tuple[str, object]:
