@@ -11,6 +11,9 @@ Domains (``domain_text``), for training that holds one whole domain out:
 * ``code``: Python source of a fixed list of standard-library modules (the interpreter's own);
 * ``chat``: GSM8K train problems from the end of the file, as chat-templated dialogue (system,
   user question, assistant answer) in the model's own chat template;
+* ``recall`` (``RECALL_DOMAIN``, not in ``TRAIN_DOMAINS``: opt in with ``--domains``): token
+  windows that quiz the model on facts stated earlier in math and code filler, each training
+  point the end of a question (``jaxkv.rl.recall``); it has no ``domain_text``.
 * ``reasoning`` (``HELDOUT_DOMAIN``): BIG-Bench Hard, each task's 3-shot chain-of-thought
   prompt followed by its questions and targets, cut into chunks of about ``CHUNK_CHARS`` at
   line ends and interleaved task by task, so that consecutive windows come from different
@@ -30,8 +33,9 @@ from jaxkv.data import default_data_dir, read_json, read_jsonl, read_text
 from jaxkv.evals.tasks import bbh_fewshot_prefix, bbh_tasks, split_heldout
 
 TRAIN_DOMAINS = ("prose", "math", "code", "chat")
+RECALL_DOMAIN = "recall"  # token windows, not text: jaxkv.rl.recall
 HELDOUT_DOMAIN = "reasoning"
-DOMAINS = (*TRAIN_DOMAINS, HELDOUT_DOMAIN)
+DOMAINS = (*TRAIN_DOMAINS, RECALL_DOMAIN, HELDOUT_DOMAIN)
 CODE_MODULES = (
     "argparse.py", "dataclasses.py", "functools.py", "json/decoder.py", "json/encoder.py",
     "pathlib.py", "textwrap.py", "heapq.py", "statistics.py", "fractions.py", "shutil.py",
@@ -74,6 +78,8 @@ def domain_text(domain: str, *, tokenizer=None, data_dir=None, max_chars: int = 
     """
     if domain not in DOMAINS:
         raise ValueError(f"unknown domain {domain!r}; choose from {DOMAINS}")
+    if domain == RECALL_DOMAIN:
+        raise ValueError("the recall domain is token windows (jaxkv.rl.recall), not text")
     data_dir = Path(data_dir or default_data_dir())
     if domain == "prose":
         train, _ = split_heldout(read_text(data_dir / "tinyshakespeare" / "input.txt"))

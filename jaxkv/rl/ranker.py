@@ -1,7 +1,8 @@
 """Supervised training of the per-head ranker (``jaxkv.policies.ranker``): no RL.
 
 Data. Windows of ``window`` tokens are drawn from the text of the training domains
-(``jaxkv.rl.data.TRAIN_DOMAINS``; the held-out domain is never read). Each window runs through
+(``jaxkv.rl.data.TRAIN_DOMAINS``; the held-out domain is never read), or, for the ``recall``
+domain, built around the points (``jaxkv.rl.recall``). Each window runs through
 the model with a full cache: a prefill of ``points[0]`` tokens, then ``extend`` passes of
 ``chunk`` tokens. At each point P (tokens processed) the cache's per-row features are recorded
 (``head_features``), and the target of every cached token is the attention that the next
@@ -67,7 +68,8 @@ from jaxkv.model.decoder import extend, prefill
 from jaxkv.policies import get_policy
 from jaxkv.policies import kvzip as kvzip_lib
 from jaxkv.policies import ranker as ranker_lib
-from jaxkv.rl.data import TRAIN_DOMAINS, domain_text
+from jaxkv.rl import recall as recall_lib
+from jaxkv.rl.data import RECALL_DOMAIN, TRAIN_DOMAINS, domain_text
 
 TARGETS = ("attention", "value", "critical")
 _NORM = {  # the norm each target weights the future attention by, as a stored log feature
@@ -159,12 +161,20 @@ def domain_windows(tokenizer, cfg: RankerConfig, *, split: str) -> dict[str, np.
     out = {}
     chat = tokenizer if hasattr(tokenizer, "apply_chat_template") else None
     for i, domain in enumerate(cfg.domains):
-        ids = np.asarray(token_ids(tokenizer, domain_text(domain, tokenizer=chat)), np.int32)
+        recalls = domain == RECALL_DOMAIN
+        sources = recall_lib.FILLER_DOMAINS if recalls else (domain,)
+        text = "".join(domain_text(d, tokenizer=chat) for d in sources)
+        ids = np.asarray(token_ids(tokenizer, text), np.int32)
         cut = int(ids.size * (1 - cfg.val_fraction))
         part = ids[:cut] if split == "train" else ids[cut:]
         n = cfg.windows_per_domain if split == "train" else max(cfg.windows_per_domain // 8, 2)
-        rng = np.random.default_rng([cfg.seed, i, split == "train"])
-        starts = rng.integers(0, part.size - cfg.window, size=n)
+        seed = [cfg.seed, i, split == "train"]
+        if recalls:  # the filler of windows built around the training points
+            out[domain] = recall_lib.recall_windows(
+                tokenizer, part, n=n, window=cfg.window, points=cfg.points, seed=seed
+            )
+            continue
+        starts = np.random.default_rng(seed).integers(0, part.size - cfg.window, size=n)
         out[domain] = np.stack([part[s : s + cfg.window] for s in starts])
     return out
 
