@@ -307,6 +307,7 @@ def test_a_ranker_on_some_features_trains_saves_and_scores(tmp_path):
         ("ranker_global_smollm2_cpu", 90),
         ("ranker_kvzip_smollm2_cpu", 90),
         ("ranker_kvzipres_smollm2_cpu", 90),
+        ("ranker_recall_smollm2_cpu", 90),
     ],
 )
 def test_shipped_rankers_load_and_never_read_the_held_out_domain(name, pool):

@@ -14,4 +14,9 @@ records the settings and the validation scores.
 (``--pool 90 --rows-per-step 270``), so its scores compare across rows: the ranker for the
 ``global`` granularity, chosen by a rule fixed in advance on the training domains' validation
 windows (README, "DistillCache out of sample").
+
+``ranker_recall_smollm2_cpu/``: the pooled recipe with the ``recall`` training domain added
+(``--domains prose,math,code,chat,recall``; ``jaxkv.rl.recall``), shipped by the validation rule
+of ``results/retrieval_recall/PROTOCOL.md``; its held-out run (``scripts/retrieval_recall.sh
+heldout``) has not been made yet.
 """
