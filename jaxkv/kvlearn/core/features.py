@@ -211,9 +211,7 @@ def label_posterior(hist: History, keys, p_hat, *, t, tau_s, prior_labels):
     return (prior_labels * p_hat + pos) / (prior_labels + n)
 
 
-def rate_posterior(
-    hist: History, keys, p_hat, *, t, t0, horizon_s, prior_s, expected_reuses=False
-):
+def rate_posterior(hist: History, keys, p_hat, *, t, t0, horizon_s, prior_s, expected_reuses=False):
     """P̂ of ``keys`` from their exact request counts: 1 − exp(−H·λ̂) with the Gamma-posterior
     rate λ̂ = (s·λ₀ + n) / (s + t − t0), n the key's requests since ``t0`` (the first request
     of the stream), λ₀ = −ln(1 − P̂)/H the rate the MLP's ``p_hat`` implies and s =
