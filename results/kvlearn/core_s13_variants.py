@@ -1,4 +1,5 @@
 """Run kvlearn (variant config) on the bench grid for one seed set; ratios vs stored classical best."""
+
 import json, sys, time, argparse
 import numpy as np
 from jaxkv.kvlearn.core.control import KVLearnConfig
@@ -13,27 +14,52 @@ a = ap.parse_args()
 seeds = [int(s) for s in a.seeds.split(",")]
 ref = "results/kvlearn/goals.json" if seeds[0] < 100 else "results/kvlearn/core_fresh/goals.json"
 ref = json.load(open(ref))
-best = {(c["alpha"], c["pool_gib"]): (c["best_classical"], c["ttft_best_classical"]) for c in ref["checks"]}
+best = {
+    (c["alpha"], c["pool_gib"]): (c["best_classical"], c["ttft_best_classical"])
+    for c in ref["checks"]
+}
 lfu = {}
 for r in ref["runs"]:
-    if r["policy"] == "lfu": lfu[(r["alpha"], r["pool_gib"], r["seed"])] = r["ttft_ms_mean"]
+    if r["policy"] == "lfu":
+        lfu[(r["alpha"], r["pool_gib"], r["seed"])] = r["ttft_ms_mean"]
 kw = json.loads(a.cfg)
 cfg = S.SimConfig(kvlearn=KVLearnConfig(**kw))
 t0 = time.time()
 pools = [int(p) for p in a.pools.split(",")]
 assert pools == [1, 4, 16], "PRNG seeds follow the full grid"
-rows, _ = S.sweep(n_requests=20000, alphas=[0.8, 1.1, 1.4], pools_gib=pools, seeds=seeds, policies=("kvlearn",), sim_cfg=cfg)
+rows, _ = S.sweep(
+    n_requests=20000,
+    alphas=[0.8, 1.1, 1.4],
+    pools_gib=pools,
+    seeds=seeds,
+    policies=("kvlearn",),
+    sim_cfg=cfg,
+)
 out = []
 nmet = 0
 worst = 0
 for al in [0.8, 1.1, 1.4]:
     for g in pools:
         v = [r["ttft_ms_mean"] for r in rows if r["alpha"] == al and r["pool_gib"] == g]
-        per = [r["ttft_ms_mean"] / lfu[(al, g, r["seed"])] for r in rows if r["alpha"] == al and r["pool_gib"] == g]
-        m = float(np.median(v)); b = best[(al, g)]
-        ratio = m / b[1]; nmet += ratio <= 1; 
-        if g < 16: worst = max(worst, ratio)
+        per = [
+            r["ttft_ms_mean"] / lfu[(al, g, r["seed"])]
+            for r in rows
+            if r["alpha"] == al and r["pool_gib"] == g
+        ]
+        m = float(np.median(v))
+        b = best[(al, g)]
+        ratio = m / b[1]
+        nmet += ratio <= 1
+        if g < 16:
+            worst = max(worst, ratio)
         out.append(dict(alpha=al, pool=g, kv=m, best=b, ratio=ratio, per_seed_vs_lfu=per))
-        print(f"{al} {g:>2} kv {m:.4f} best {b[0]} {b[1]:.4f} ratio {ratio:.4f}  seeds/lfu " + " ".join(f"{p:.4f}" for p in per))
-print(f"TAG {a.tag} seeds {a.seeds} cfg {a.cfg}: met {nmet}/9 worst pressured ratio {worst:.4f} ({time.time()-t0:.0f}s)")
-json.dump(dict(tag=a.tag, cfg=kw, seeds=seeds, cells=out), open(f"/tmp/s13/{a.tag}_{seeds[0]}.json", "w"))
+        print(
+            f"{al} {g:>2} kv {m:.4f} best {b[0]} {b[1]:.4f} ratio {ratio:.4f}  seeds/lfu "
+            + " ".join(f"{p:.4f}" for p in per)
+        )
+print(
+    f"TAG {a.tag} seeds {a.seeds} cfg {a.cfg}: met {nmet}/9 worst pressured ratio {worst:.4f} ({time.time() - t0:.0f}s)"
+)
+json.dump(
+    dict(tag=a.tag, cfg=kw, seeds=seeds, cells=out), open(f"/tmp/s13/{a.tag}_{seeds[0]}.json", "w")
+)
