@@ -19,26 +19,28 @@ def _hist(counts):
     return hist.replace(table_PJ=table)
 
 
-def _reference(p_hat, n, *, t, t0, prior_s):
+def _reference(p_hat, n, *, t, t0, prior_s, expected_reuses=False):
     lam0 = -np.log1p(-np.asarray(p_hat, np.float64)) / H
     lam = (prior_s * lam0 + np.asarray(n, np.float64)) / (prior_s + (t - t0))
-    return 1.0 - np.exp(-H * lam)
+    return H * lam if expected_reuses else 1.0 - np.exp(-H * lam)
 
 
-def test_rate_posterior_is_the_gamma_posterior_rate():
+@pytest.mark.parametrize("expected_reuses", [False, True])
+def test_rate_posterior_is_the_gamma_posterior_rate(expected_reuses):
     counts = [0.0, 1.0, 7.0, 40.0]
     p_hat = jnp.float32([0.3, 0.05, 0.6, 0.01])
     keys = jnp.arange(4)
-    got = features_lib.rate_posterior(
-        _hist(counts), keys, p_hat, t=130.0, t0=10.0, horizon_s=H, prior_s=60.0
+    post = lambda hist, t: features_lib.rate_posterior(
+        hist, keys, p_hat, t=t, t0=10.0, horizon_s=H, prior_s=60.0, expected_reuses=expected_reuses
     )
-    expected = _reference(p_hat, counts, t=130.0, t0=10.0, prior_s=60.0)
-    np.testing.assert_allclose(got, expected, rtol=1e-5)
-    # no exposure and no requests yet: the MLP's prediction itself
-    at_start = features_lib.rate_posterior(
-        _hist([0.0] * 4), keys, p_hat, t=10.0, t0=10.0, horizon_s=H, prior_s=60.0
+    expected = _reference(
+        p_hat, counts, t=130.0, t0=10.0, prior_s=60.0, expected_reuses=expected_reuses
     )
-    np.testing.assert_allclose(at_start, p_hat, rtol=1e-5)
+    np.testing.assert_allclose(post(_hist(counts), 130.0), expected, rtol=1e-5)
+    # no exposure and no requests yet: the MLP's prediction itself (as a rate: −ln(1 − P̂))
+    at_start = post(_hist([0.0] * 4), 10.0)
+    p64 = np.asarray(p_hat, np.float64)
+    np.testing.assert_allclose(at_start, -np.log1p(-p64) if expected_reuses else p64, rtol=1e-5)
 
 
 def test_rate_posterior_orders_keys_by_prior_plus_count_and_as_lfu_for_equal_priors():
@@ -104,8 +106,8 @@ def test_admission_and_eviction_follow_exact_counts_on_a_hand_worked_trace(seed)
         state, res = admit(state, req, cfg=cfg)
         evicted = [int(k) for k in np.asarray(res.evicted_keys) if k >= 0]
         events.append(("admit" if bool(res.admitted) else "refuse", key, evicted))
-        if t in rate:
-            assert float(res.p_hat) == pytest.approx(1.0 - np.exp(-H * rate[t]), rel=1e-3)
+        if t in rate:  # the default P̂ is the expected number of requests within H
+            assert float(res.p_hat) == pytest.approx(H * rate[t], rel=1e-3)
     assert events == [
         ("admit", A, []),
         ("hit", A),
@@ -114,3 +116,49 @@ def test_admission_and_eviction_follow_exact_counts_on_a_hand_worked_trace(seed)
         ("refuse", C, []),
         ("admit", C, [B]),
     ]
+
+
+def _replay(cfg, trace, *, tokens_of, capacity_bytes, seed=0):
+    """Runs ``trace`` [(key, t)] through ``control.lookup`` / ``admit``; returns the events."""
+    state = control_lib.init(cfg, capacity_bytes=capacity_bytes, key=jax.random.key(seed))
+    lookup = jax.jit(control_lib.lookup, static_argnames="cfg")
+    admit = jax.jit(control_lib.admit, static_argnames="cfg")
+    events = []
+    for key, t in trace:
+        tok, mod = tokens_of[key]
+        req = control_lib.Request(jnp.int32(key), jnp.int32(tok), jnp.int32(mod), jnp.float32(t))
+        state, hit = lookup(state, req, cfg=cfg)
+        if bool(hit):
+            events.append(("hit", key))
+            continue
+        state, res = admit(state, req, cfg=cfg)
+        evicted = [int(k) for k in np.asarray(res.evicted_keys) if k >= 0]
+        events.append(("admit" if bool(res.admitted) else "refuse", key, evicted))
+    return events
+
+
+@pytest.mark.parametrize("expected_reuses", [True, False])
+def test_expected_reuses_admit_a_frequent_block_over_a_larger_rarer_one(expected_reuses):
+    """A pool that holds one video V (1,440 tokens, U = 0, a negligible prior). V is requested
+    at 1 s and 21 s (t0 = 1 s: λ̂ = 2/20 = 0.1/s, stored at its hit); then an image C (576
+    tokens) every 0.5 s from 21.5 s, λ̂ = n/(20 + n/2). Replacing V by C saves more time per
+    second once 576·λ̂_C > 1,440·0.1, i.e. λ̂_C > 0.25/s: at C's 6th request (6/23 = 0.261;
+    the 5th has 5/22.5 = 0.222). With expected reuses (H·λ̂) C is admitted there, evicting V.
+    With P(≥ 1 request within H) C would need 576·(1 − e^(−5λ̂)) > 1,440·(1 − e^(−0.5)),
+    i.e. λ̂_C > 0.83/s, which these six requests never reach: all are refused."""
+    cfg = control_lib.KVLearnConfig(
+        max_blocks=4,
+        max_keys=4,
+        count_prior_s=1e-3,
+        storage_dt_s=0.0,
+        expected_reuses=expected_reuses,
+    )
+    V, C = 0, 1
+    video_kib = int(cfg.cost.footprint_bytes(1440)) // 1024
+    trace = [(V, 1.0), (V, 21.0)] + [(C, 21.0 + 0.5 * n) for n in range(1, 7)]
+    events = _replay(
+        cfg, trace, tokens_of={V: (1440, 2), C: (576, 1)}, capacity_bytes=video_kib * 1024
+    )
+    assert events[:2] == [("admit", V, []), ("hit", V)]
+    tail = [("refuse", C, [])] * 5 + [("admit", C, [V])]
+    assert events[2:] == (tail if expected_reuses else [("refuse", C, [])] * 6)

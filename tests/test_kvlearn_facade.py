@@ -70,5 +70,6 @@ def test_admit_without_now_uses_the_lookup_time():
         t0=st.first_t,
         horizon_s=coord.cfg.horizon_s,
         prior_s=coord.cfg.count_prior_s,
+        expected_reuses=coord.cfg.expected_reuses,
     )
     assert d.p_hat == pytest.approx(float(expected), abs=1e-7)

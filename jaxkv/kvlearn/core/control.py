@@ -45,7 +45,15 @@ class KVLearnConfig:
             seconds of pseudo-exposure (``features.rate_posterior``): the MLP decides while
             counts are few, the count (LFU's order) once they are many; None uses the MLP
             alone. Issue 15 (key-level KVLearn ≤ the best classical policy, which is ``lfu``
-            on the Zipf workload); 60 s chosen on seeds 0–4 over 20 and 180.
+            on the Zipf workload); 180 s since session 13 (with ``expected_reuses``; 120, 180
+            and 240 s met the goal on trace seeds 0–4 and 7001–7005, 60 and 90 s missed it on
+            7001–7005: results/kvlearn/core_s13_design.md); 60 s before.
+        expected_reuses: with ``count_prior_s``, a block's P̂ in CARS is its expected number
+            of requests within H, H·λ̂, instead of P(≥ 1 request) = 1 − exp(−H·λ̂). Every
+            reuse is a hit, and the probability saturates at 1 for a key requested more than
+            about once per H, so the admission's sum over victims undervalued a frequent block
+            against larger or more numerous rarer ones. The eviction order (ν, monotone in
+            λ̂) is unchanged; ν and P̂ may exceed 1. Issue 15 session 13 (False before).
         prior_labels: P̂ refined by the key's own decayed labels, (m·P̂ + Σ y)/(m + n) with
             m = prior_labels (``features.label_posterior``), applied after ``count_prior_s``;
             None (the default since issue 15; 50 before) skips it.
@@ -65,7 +73,8 @@ class KVLearnConfig:
     ema_decay: float = 0.99
     swap_margin: float = 0.0
     max_victims: int = 32
-    count_prior_s: float | None = 60.0
+    count_prior_s: float | None = 180.0
+    expected_reuses: bool = True
     prior_labels: float | None = None
 
     def __post_init__(self):
@@ -131,7 +140,7 @@ class AdmitResult:
     admitted: jax.Array
     n_evicted: jax.Array
     evicted_keys: jax.Array  # [E] key ids of the victims in eviction order, -1 padded
-    p_hat: jax.Array  # the P̂ decided with: the MLP's, refined by the key's labels (prior_labels)
+    p_hat: jax.Array  # the P̂ decided with (count posterior, labels; H·λ̂ with expected_reuses)
     cars_ms: jax.Array
     density: jax.Array
     theta: jax.Array
@@ -198,6 +207,7 @@ def _score(state: KVLearnState, keys, x_I, tokens, t, cfg: KVLearnConfig):
             t0=state.first_t,
             horizon_s=cfg.horizon_s,
             prior_s=cfg.count_prior_s,
+            expected_reuses=cfg.expected_reuses,
         )
     if cfg.prior_labels is not None:
         p_hat = features_lib.label_posterior(

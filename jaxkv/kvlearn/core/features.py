@@ -211,16 +211,22 @@ def label_posterior(hist: History, keys, p_hat, *, t, tau_s, prior_labels):
     return (prior_labels * p_hat + pos) / (prior_labels + n)
 
 
-def rate_posterior(hist: History, keys, p_hat, *, t, t0, horizon_s, prior_s):
+def rate_posterior(hist: History, keys, p_hat, *, t, t0, horizon_s, prior_s, expected_reuses=False):
     """P̂ of ``keys`` from their exact request counts: 1 − exp(−H·λ̂) with the Gamma-posterior
     rate λ̂ = (s·λ₀ + n) / (s + t − t0), n the key's requests since ``t0`` (the first request
     of the stream), λ₀ = −ln(1 − P̂)/H the rate the MLP's ``p_hat`` implies and s =
     ``prior_s`` seconds of pseudo-exposure. At one time t every key shares the exposure, so
     among blocks of equal value per byte the order is the exact count's (LFU's) once n
-    outweighs the prior."""
+    outweighs the prior.
+
+    With ``expected_reuses`` it returns H·λ̂ instead, the expected number of requests within
+    H (not capped at 1): the same order, but additive over reuses (see
+    ``KVLearnConfig.expected_reuses``)."""
     lam0 = -jnp.log1p(-jnp.clip(p_hat, 0.0, 1.0 - 1e-6)) / horizon_s
     n = hist.table_PJ[keys, N_REQ]
     lam = (prior_s * lam0 + n) / (prior_s + jnp.maximum(t - t0, 0.0))
+    if expected_reuses:
+        return horizon_s * lam
     return -jnp.expm1(-horizon_s * lam)
 
 
