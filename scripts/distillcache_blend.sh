@@ -6,20 +6,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-.venv/bin/python}
+source scripts/lib.sh
 out=${OUT:-results/distillcache_blend}
 ranker=ranker:ranker_kvzip_smollm2_cpu
 window=(--window 384 --prompt-len 256 --ratios 0.25,0.125 --protocol prefill --granularity global)
 run() {  # name, then fidelity flags
   local name=$1; shift
-  if grep -qs '"complete": true' "$out/$name/fidelity.json"; then echo "skip $name (done)"; return; fi
+  if finished "$out/$name/fidelity.json"; then echo "skip $name (done)"; return; fi
   "$py" -m jaxkv.eval fidelity "${window[@]}" "$@" --out "$out/$name"
-}
-write_text() {  # domain, path
-  mkdir -p "$(dirname "$2")"
-  "$py" -c "
-from jaxkv.evals.runner import load_eval_model
-from jaxkv.rl.data import write_domain_text
-write_domain_text('$1', '$2', tokenizer=load_eval_model('smollm2-135m').tokenizer)"
 }
 heldout=runs/distillcache_blend/heldout.txt  # the BBH text (confirm, earlier)
 case "${1:-}" in

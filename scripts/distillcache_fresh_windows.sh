@@ -6,20 +6,18 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-.venv/bin/python}
+source scripts/lib.sh
 out=${OUT:-results/distillcache_fresh}
 text=runs/distillcache_fresh/heldout.txt
-mkdir -p "$(dirname "$text")" "$out"
-"$py" -c "
-from jaxkv.evals.runner import load_eval_model
-from jaxkv.rl.data import HELDOUT_DOMAIN, write_domain_text
-write_domain_text(HELDOUT_DOMAIN, '$text', tokenizer=load_eval_model('smollm2-135m').tokenizer)"
+mkdir -p "$out"
+write_text reasoning "$text"  # jaxkv.rl.data.HELDOUT_DOMAIN
 common=(--text "$text" --heldout 0.5 --limit 8 --window 384 --prompt-len 256 --ratios 0.25,0.125)
 q2=rerank:ranker:ranker_kvzip_smollm2_cpu
 r1=ranker:ranker_kvzipres_smollm2_cpu
 heur=h2o,snapkv,tova,expected_attention,critical:h2o,streaming_llm,knorm
 run() {  # name, then fidelity flags
   local name=$1; shift
-  if grep -qs '"complete": true' "$out/$name/fidelity.json"; then echo "skip $name (done)"; return; fi
+  if finished "$out/$name/fidelity.json"; then echo "skip $name (done)"; return; fi
   "$py" -m jaxkv.eval fidelity "${common[@]}" "$@" --out "$out/$name"
 }
 run prefill_global --protocol prefill --granularity global \

@@ -5,11 +5,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-.venv/bin/python}
+source scripts/lib.sh
 out=${OUT:-results/retrieval_fresh}
 common=(--ratios 0.25 --limit 8 --data-seed 1 --tasks passkey,needle --lengths 1024,2048)
 run() {  # name, then retrieval flags
   local name=$1; shift
-  if grep -qs '"complete": true' "$out/$name/retrieval.json"; then echo "skip $name (done)"; return; fi
+  if finished "$out/$name/retrieval.json"; then echo "skip $name (done)"; return; fi
   "$py" -m jaxkv.eval retrieval "${common[@]}" "$@" --out "$out/$name"
 }
 run global --granularity global --policies full,ranker:ranker_global_smollm2_cpu,h2o,critical:h2o,tova

@@ -6,11 +6,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-.venv/bin/python}
+source scripts/lib.sh
 out=${OUT:-results/retrieval_recall}
 ship=jaxkv/checkpoints/ranker_recall_smollm2_cpu
 candidate=ranker:$ship
 pooled=ranker:ranker_global_smollm2_cpu
-done_() { grep -qs '"complete": true' "$1"; }
 case "${1:-}" in
   train)
     [[ -f runs/ranker_recall/ranker.json ]] || "$py" -m jaxkv.train ranker \
@@ -37,20 +37,17 @@ PY
     for set in "global full,$candidate,$pooled,h2o,critical:h2o,tova" \
       "head $candidate,h2o,critical:h2o,tova,snapkv"; do
       read -r gran policies <<< "$set"
-      done_ "$out/retrieval_$gran/retrieval.json" && { echo "skip retrieval_$gran"; continue; }
+      finished "$out/retrieval_$gran/retrieval.json" && { echo "skip retrieval_$gran"; continue; }
       "$py" -m jaxkv.eval retrieval "${common[@]}" --granularity "$gran" --policies "$policies" \
         --out "$out/retrieval_$gran"
     done
     text=runs/retrieval_recall/heldout.txt
-    [[ -f $text ]] || { mkdir -p "$(dirname "$text")"; "$py" -c "
-from jaxkv.evals.runner import load_eval_model
-from jaxkv.rl.data import write_domain_text
-write_domain_text('reasoning', '$text', tokenizer=load_eval_model('smollm2-135m').tokenizer)"; }
+    [[ -f $text ]] || write_text reasoning "$text"
     fresh=(--text "$text" --heldout 0.875 --limit 8 --window 384 --prompt-len 256 --protocol decode
       --ratios 0.25,0.125)
     for set in "global $candidate,$pooled" "head critical:h2o"; do
       read -r gran policies <<< "$set"
-      done_ "$out/fidelity_$gran/fidelity.json" && { echo "skip fidelity_$gran"; continue; }
+      finished "$out/fidelity_$gran/fidelity.json" && { echo "skip fidelity_$gran"; continue; }
       "$py" -m jaxkv.eval fidelity "${fresh[@]}" --granularity "$gran" --policies "$policies" \
         --out "$out/fidelity_$gran"
     done ;;
