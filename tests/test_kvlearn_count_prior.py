@@ -80,50 +80,13 @@ def test_count_prior_must_be_positive():
         control_lib.KVLearnConfig(count_prior_s=0.0)
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_admission_and_eviction_follow_exact_counts_on_a_hand_worked_trace(seed):
-    """A pool of two equal images and a negligible prior (any MLP, three random inits): A is
-    requested 3 times, B once, then C twice. C's first request (one request in 4 s of
-    exposure, against B's one in 3 s) is refused; its second (two in 5 s) is admitted and
-    evicts B, the block with the fewest requests, not A. The rates are the hand-worked
-    λ̂ = n / (t − t0) with t0 = 1 s."""
-    cfg = control_lib.KVLearnConfig(max_blocks=4, max_keys=4, count_prior_s=1e-3)
-    tokens = 576
-    kib = int(cfg.cost.footprint_bytes(tokens)) // 1024 + 1
-    state = control_lib.init(cfg, capacity_bytes=2 * kib * 1024, key=jax.random.key(seed))
-    lookup = jax.jit(control_lib.lookup, static_argnames="cfg")
-    admit = jax.jit(control_lib.admit, static_argnames="cfg")
-    A, B, C = 0, 1, 2
-    trace = [(A, 1.0), (A, 2.0), (A, 3.0), (B, 4.0), (C, 5.0), (C, 6.0)]
-    rate = {4.0: 1.0 / 3.0, 5.0: 1.0 / 4.0, 6.0: 2.0 / 5.0}  # B's, C's first, C's second
-    events = []
-    for key, t in trace:
-        req = control_lib.Request(jnp.int32(key), jnp.int32(tokens), jnp.int32(1), jnp.float32(t))
-        state, hit = lookup(state, req, cfg=cfg)
-        if bool(hit):
-            events.append(("hit", key))
-            continue
-        state, res = admit(state, req, cfg=cfg)
-        evicted = [int(k) for k in np.asarray(res.evicted_keys) if k >= 0]
-        events.append(("admit" if bool(res.admitted) else "refuse", key, evicted))
-        if t in rate:  # the default P̂ is the expected number of requests within H
-            assert float(res.p_hat) == pytest.approx(H * rate[t], rel=1e-3)
-    assert events == [
-        ("admit", A, []),
-        ("hit", A),
-        ("hit", A),
-        ("admit", B, []),
-        ("refuse", C, []),
-        ("admit", C, [B]),
-    ]
-
-
 def _replay(cfg, trace, *, tokens_of, capacity_bytes, seed=0):
-    """Runs ``trace`` [(key, t)] through ``control.lookup`` / ``admit``; returns the events."""
+    """Runs ``trace`` [(key, t)] through ``control.lookup`` / ``admit``; returns the events and
+    the P̂ each admission decided with, by request time."""
     state = control_lib.init(cfg, capacity_bytes=capacity_bytes, key=jax.random.key(seed))
     lookup = jax.jit(control_lib.lookup, static_argnames="cfg")
     admit = jax.jit(control_lib.admit, static_argnames="cfg")
-    events = []
+    events, p_hat = [], {}
     for key, t in trace:
         tok, mod = tokens_of[key]
         req = control_lib.Request(jnp.int32(key), jnp.int32(tok), jnp.int32(mod), jnp.float32(t))
@@ -134,7 +97,40 @@ def _replay(cfg, trace, *, tokens_of, capacity_bytes, seed=0):
         state, res = admit(state, req, cfg=cfg)
         evicted = [int(k) for k in np.asarray(res.evicted_keys) if k >= 0]
         events.append(("admit" if bool(res.admitted) else "refuse", key, evicted))
-    return events
+        p_hat[t] = float(res.p_hat)
+    return events, p_hat
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_admission_and_eviction_follow_exact_counts_on_a_hand_worked_trace(seed):
+    """A pool of two equal images and a negligible prior (any MLP, three random inits): A is
+    requested 3 times, B once, then C twice. C's first request (one request in 4 s of
+    exposure, against B's one in 3 s) is refused; its second (two in 5 s) is admitted and
+    evicts B, the block with the fewest requests, not A. The rates are the hand-worked
+    λ̂ = n / (t − t0) with t0 = 1 s."""
+    cfg = control_lib.KVLearnConfig(max_blocks=4, max_keys=4, count_prior_s=1e-3)
+    tokens = 576
+    kib = int(cfg.cost.footprint_bytes(tokens)) // 1024 + 1
+    A, B, C = 0, 1, 2
+    trace = [(A, 1.0), (A, 2.0), (A, 3.0), (B, 4.0), (C, 5.0), (C, 6.0)]
+    rate = {4.0: 1.0 / 3.0, 5.0: 1.0 / 4.0, 6.0: 2.0 / 5.0}  # B's, C's first, C's second
+    events, p_hat = _replay(
+        cfg,
+        trace,
+        tokens_of={k: (tokens, 1) for k in (A, B, C)},
+        capacity_bytes=2 * kib * 1024,
+        seed=seed,
+    )
+    for t, r in rate.items():  # the default P̂ is the expected number of requests within H
+        assert p_hat[t] == pytest.approx(H * r, rel=1e-3)
+    assert events == [
+        ("admit", A, []),
+        ("hit", A),
+        ("hit", A),
+        ("admit", B, []),
+        ("refuse", C, []),
+        ("admit", C, [B]),
+    ]
 
 
 @pytest.mark.parametrize("expected_reuses", [True, False])
@@ -156,7 +152,7 @@ def test_expected_reuses_admit_a_frequent_block_over_a_larger_rarer_one(expected
     V, C = 0, 1
     video_kib = int(cfg.cost.footprint_bytes(1440)) // 1024
     trace = [(V, 1.0), (V, 21.0)] + [(C, 21.0 + 0.5 * n) for n in range(1, 7)]
-    events = _replay(
+    events, _ = _replay(
         cfg, trace, tokens_of={V: (1440, 2), C: (576, 1)}, capacity_bytes=video_kib * 1024
     )
     assert events[:2] == [("admit", V, []), ("hit", V)]
