@@ -2,6 +2,7 @@
 loss by hand, and a trained checkpoint end to end through the CLIs."""
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -377,6 +378,18 @@ def test_a_ranker_reading_kvzips_scores_runs_only_where_they_exist(tmp_path):
     assert eval_cli.main([*gen, "--protocol", "prefill"]) == 2
     assert not (tmp_path / "decode").exists() and not (tmp_path / "ret").exists()
     assert train_cli.main([*argv[:-1], str(tmp_path / "x"), "--points", "1,x"]) == 2
+
+
+def test_the_cli_sets_the_target_horizon_and_refuses_one_off_the_chunk_grid(tmp_path):
+    out = tmp_path / "h16"
+    argv = ["ranker", "--model", "tiny", "--windows-per-domain", "2", "--steps", "2",
+            "--points", "128,144", "--horizon", "16", "--chunk", "16", "--out", str(out)]  # fmt: skip
+    assert train_cli.main(argv) == 0
+    config = json.loads((out / "ranker.json").read_text())["config"]
+    assert (config["horizon"], config["chunk"], config["points"]) == (16, 16, [128, 144])
+    bad = [*argv[:-1], str(tmp_path / "bad")]
+    assert train_cli.main([*bad[:-2], "--horizon", "24", *bad[-2:]]) == 2  # not a multiple of 16
+    assert not (tmp_path / "bad").exists()
 
 
 def test_a_fresh_residual_ranker_scores_exactly_its_base_feature():

@@ -123,7 +123,19 @@ def ranker_parser() -> argparse.ArgumentParser:
         "--points",
         default=",".join(map(str, d.points)),
         help="comma list of the prefix lengths whose caches give training rows (each plus "
-        "the 128-token horizon must fit the 768-token window, on a 64-token grid)",
+        "the horizon must fit the 768-token window, on the --chunk grid)",
+    )
+    ap.add_argument(
+        "--horizon",
+        type=flags.positive_int,
+        default=d.horizon,
+        help="how many future queries' attention the target sums (a multiple of --chunk)",
+    )
+    ap.add_argument(
+        "--chunk",
+        type=flags.positive_int,
+        default=d.chunk,
+        help="tokens per teacher-forced step while the futures are collected",
     )
     ap.add_argument(
         "--pruned-ratios",
@@ -168,6 +180,8 @@ def ranker_main(argv: list[str]) -> int:
             base=args.base,
             rows_per_step=args.rows_per_step,
             points=parse_points(args.points),
+            horizon=args.horizon,
+            chunk=args.chunk,
         )
         out = check_out_dir(args.out) if args.out else new_run_dir("ranker")
         model = load_eval_model(args.model)
