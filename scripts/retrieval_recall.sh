@@ -33,23 +33,7 @@ PY
     ;;
   heldout)
     [[ -d $ship ]] || candidate=ranker:runs/ranker_recall  # failed the rule: evaluated anyway
-    common=(--ratios 0.25 --limit 8 --data-seed 2 --tasks passkey,needle --lengths 1024,2048)
-    for set in "global full,$candidate,$pooled,h2o,critical:h2o,tova" \
-      "head $candidate,h2o,critical:h2o,tova,snapkv"; do
-      read -r gran policies <<< "$set"
-      finished "$out/retrieval_$gran/retrieval.json" && { echo "skip retrieval_$gran"; continue; }
-      "$py" -m jaxkv.eval retrieval "${common[@]}" --granularity "$gran" --policies "$policies" \
-        --out "$out/retrieval_$gran"
-    done
-    text=runs/retrieval_recall/heldout.txt
-    [[ -f $text ]] || write_text reasoning "$text"
-    fresh=(--text "$text" --heldout 0.875 --limit 8 --window 384 --prompt-len 256 --protocol decode
-      --ratios 0.25,0.125)
-    for set in "global $candidate,$pooled" "head critical:h2o"; do
-      read -r gran policies <<< "$set"
-      finished "$out/fidelity_$gran/fidelity.json" && { echo "skip fidelity_$gran"; continue; }
-      "$py" -m jaxkv.eval fidelity "${fresh[@]}" --granularity "$gran" --policies "$policies" \
-        --out "$out/fidelity_$gran"
-    done ;;
+    recall_heldout "$out" 2 0.875 "full,$candidate,$pooled,h2o,critical:h2o,tova" \
+      "$candidate,h2o,critical:h2o,tova,snapkv" "$candidate,$pooled" ;;
   *) echo "usage: $0 train | heldout" >&2; exit 2 ;;
 esac

@@ -18,22 +18,7 @@ case "${1:-}" in
       --target value --pool 90 --rows-per-step 270 --horizon 16 --chunk 16 --out "$run" ;;
   heldout)
     [[ -f $run/ranker.json ]] || { echo "train first: $0 train" >&2; exit 2; }
-    common=(--ratios 0.25 --limit 8 --data-seed 3 --tasks passkey,needle --lengths 1024,2048)
-    for set in "global full,$candidate,h2o,tova" "head $candidate,tova,h2o,critical:h2o,snapkv"; do
-      read -r gran policies <<< "$set"
-      finished "$out/retrieval_$gran/retrieval.json" && { echo "skip retrieval_$gran"; continue; }
-      "$py" -m jaxkv.eval retrieval "${common[@]}" --granularity "$gran" --policies "$policies" \
-        --out "$out/retrieval_$gran"
-    done
-    text=runs/retrieval_recall/heldout.txt
-    [[ -f $text ]] || write_text reasoning "$text"
-    fresh=(--text "$text" --heldout 0.625 --limit 8 --window 384 --prompt-len 256 --protocol decode
-      --ratios 0.25,0.125)
-    for set in "global $candidate,$recall" "head critical:h2o"; do
-      read -r gran policies <<< "$set"
-      finished "$out/fidelity_$gran/fidelity.json" && { echo "skip fidelity_$gran"; continue; }
-      "$py" -m jaxkv.eval fidelity "${fresh[@]}" --granularity "$gran" --policies "$policies" \
-        --out "$out/fidelity_$gran"
-    done ;;
+    recall_heldout "$out" 3 0.625 "full,$candidate,h2o,tova" \
+      "$candidate,tova,h2o,critical:h2o,snapkv" "$candidate,$recall" ;;
   *) echo "usage: $0 train | heldout" >&2; exit 2 ;;
 esac
