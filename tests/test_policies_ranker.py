@@ -19,8 +19,9 @@ from jaxkv.generate import full_cache_attention
 from jaxkv.model import decoder
 from jaxkv.model.params import init_params
 from jaxkv.policies import critical as critical_lib
-from jaxkv.policies import get_policy, with_model
+from jaxkv.policies import get_policy, heuristics, with_model
 from jaxkv.policies import ranker as ranker_lib
+from jaxkv.policies.base import TIER
 from jaxkv.policies.learned import checkpoint_path
 from jaxkv.rl import ranker
 from jaxkv.rl.data import HELDOUT_DOMAIN
@@ -425,3 +426,80 @@ def test_a_residual_ranker_trains_saves_and_adds_its_raw_base(tmp_path):
     np.testing.assert_allclose(np.asarray(s), np.asarray(want), rtol=1e-6)
     bad = [*argv[:-3], "log_recon", "--out", str(tmp_path / "x")]
     assert train_cli.main(bad) == 2 and not (tmp_path / "x").exists()
+
+
+def test_attended_tier_keeps_each_rows_top_tokens_by_the_latest_querys_attention():
+    rng = np.random.default_rng(5)
+    L, B, K, C = 2, 3, 2, 12
+    pos = np.tile(np.arange(C), (L, B, K, 1))
+    pos[..., 9:] = -1  # free slots never enter the tier
+    attn = rng.random((L, B, K, C)).astype(np.float32)
+    attn[..., 9:] = 3  # free slots' stale statistics outrank every occupied slot's
+    attn[:, 1, :, 2] = attn[:, 1, :, 5] = 2  # a tie at the top: the lower slot is first
+    cache = dataclasses.replace(
+        kvcache.init_cache(CFG, batch_size=B, capacity=C, stats=("attn",)),
+        pos=jnp.asarray(pos, jnp.int32),
+    )
+    cache = cache.replace(stats={**cache.stats, "attn": jnp.asarray(attn)})
+    n_top = np.array([0, 3, 20])
+    base = rng.random((L, B, K, C)).astype(np.float32)
+    got = np.asarray(heuristics.protect_attended(jnp.asarray(base), cache, jnp.asarray(n_top)))
+    for l, b, k in np.ndindex(L, B, K):
+        valid = pos[l, b, k] >= 0
+        order = sorted(np.flatnonzero(valid), key=lambda c: (-attn[l, b, k, c], c))
+        top = set(order[: n_top[b]])
+        for c in range(C):
+            if c in top:
+                assert got[l, b, k, c] >= TIER
+            else:
+                assert got[l, b, k, c] == base[l, b, k, c]
+        ranked = sorted(top, key=lambda c: -got[l, b, k, c])
+        assert [attn[l, b, k, c] for c in ranked] == sorted(attn[l, b, k, list(top)], reverse=True)
+
+
+def test_a_ranker_whose_tier_is_the_whole_budget_keeps_tovas_tokens_and_zero_changes_nothing():
+    params = ranker_lib.init_params(key=jax.random.key(3))
+    cache = kvcache.init_cache(CFG, batch_size=2, capacity=40, stats=ranker_lib.STATS)
+    _, cache = decoder.prefill(PARAMS, jnp.asarray(TOKENS), cache, config=CFG)
+    budget = jnp.full((2,), 10)
+
+    def kept(policy, state=None):
+        comp = eviction.Compression(policy, budget=10, granularity="head")
+        return np.asarray(eviction.evict(cache, comp, state, key=jax.random.key(0)).pos)
+
+    tiered = ranker_lib.ranker_policy(params, attended_fraction=1.0)
+    np.testing.assert_array_equal(kept(tiered, tiered.init()), kept(get_policy("tova")))
+    plain, zero = (
+        ranker_lib.ranker_policy(params),
+        ranker_lib.ranker_policy(params, attended_fraction=0),
+    )
+    assert plain.spec == zero.spec
+    np.testing.assert_array_equal(
+        np.asarray(zero.score(zero.init(), cache, budget_B=budget)),
+        np.asarray(plain.score(plain.init(), cache, budget_B=budget)),
+    )
+    half = ranker_lib.ranker_policy(params, attended_fraction=0.5)
+    s = np.asarray(half.score(half.init(), cache, budget_B=budget))
+    assert (np.sum(s >= TIER, axis=-1) == 5).all()  # floor(0.5 * 10) per row
+    with pytest.raises(ValueError, match="attended_fraction must be in"):
+        ranker_lib.ranker_policy(params, attended_fraction=1.5)
+
+
+def test_retier_saves_the_same_params_with_the_tier_in_the_meta(tmp_path):
+    out = ranker_lib.retier(
+        "ranker_recall_smollm2_cpu", tmp_path / "tiered", attended_fraction=0.25
+    )
+    params, meta = ranker_lib.load_ranker_params(out)
+    src, src_meta = ranker_lib.load_ranker_params(checkpoint_path("ranker_recall_smollm2_cpu"))
+    jax.tree.map(np.testing.assert_array_equal, params, src)
+    assert meta["attended_fraction"] == 0.25 and meta["derived_from"] == "ranker_recall_smollm2_cpu"
+    assert {
+        k: v for k, v in meta.items() if k not in ("attended_fraction", "derived_from")
+    } == src_meta
+    policy = get_policy(f"ranker:{out}")
+    assert ("attended_fraction", 0.25) in policy.spec
+    with pytest.raises(ValueError, match="not a ranker tier"):
+        ranker_lib.retier("ranker_recall_smollm2_cpu", tmp_path / "bad", window=3)
+    with pytest.raises(ValueError, match="attended_fraction must be in"):
+        ranker_lib.retier("ranker_recall_smollm2_cpu", tmp_path / "bad", attended_fraction=-1)
+    assert not (tmp_path / "bad").exists()

@@ -23,6 +23,18 @@ def protect_recent(scores_LBKC, cache: KVCache, n_recent_B: jax.Array) -> jax.Ar
     return jnp.where(recent, TIER + recency, scores_LBKC)
 
 
+def protect_attended(scores_LBKC, cache: KVCache, n_top_B: jax.Array) -> jax.Array:
+    """Puts each row's ``n_top`` slots that the latest query attends to most (TOVA's score,
+    ``stats["attn"]``) in the protected tier, ranked among themselves by that attention;
+    exactly ``min(n_top, occupied)`` per row (ties: the lower slot first). Other slots keep
+    their [0, 1) scores."""
+    attn = cache.stats["attn"]
+    order = jnp.argsort(jnp.where(cache.pos >= 0, -attn, jnp.inf), axis=-1, stable=True)
+    rank = jnp.argsort(order, axis=-1)  # each slot's place in that order
+    top = (rank < n_top_B[None, :, None, None]) & (cache.pos >= 0)
+    return jnp.where(top, TIER + unit_scale(attn, cache.pos), scores_LBKC)
+
+
 def unit_scale(x_LBKC: jax.Array, pos_LBKC: jax.Array) -> jax.Array:
     """Non-negative scores scaled into [0, 1) per row (ranking unchanged), so that a
     protection tier (``TIER``) added on top never swamps them in float32 (1e9 + votes would

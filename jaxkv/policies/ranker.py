@@ -36,13 +36,14 @@ from jaxkv.kvcache import KVCache
 from jaxkv.policies import critical as critical_lib
 from jaxkv.policies import kvzip as kvzip_lib
 from jaxkv.policies.base import TIER, Policy
-from jaxkv.policies.heuristics import protect_recent
+from jaxkv.policies.heuristics import protect_attended, protect_recent
 from jaxkv.policies.learned import checkpoint_path
 
 PREFIX = "ranker:"
 META = "ranker.json"
 KIND = "distillcache-ranker"
 HIDDEN = 32
+PROTECTION = ("recent_fraction", "sinks", "attended_fraction")  # tiers a checkpoint may set
 FEATURES = (
     "log_attn",  # the latest pass's final query's mass (mean over the KV group)
     "log_attn_var",  # its variance over the group's query heads
@@ -237,20 +238,28 @@ def ranker_policy(
     features: tuple[str, ...] = DEFAULT_FEATURES,
     recent_fraction: float = 0.0,
     sinks: int = 0,
+    attended_fraction: float = 0.0,
     name: str = "ranker",
     spec: tuple = (),
 ) -> Policy:
     """A Policy scoring every (layer, KV head) row with the ranker ``params`` over
-    ``features``. Always kept: the first ``sinks`` positions (attention sinks) and the newest
-    ``floor(recent_fraction * B)`` tokens of each sequence (as H2O's window).
+    ``features``. Always kept: the first ``sinks`` positions (attention sinks), the newest
+    ``floor(recent_fraction * B)`` tokens of each sequence (as H2O's window), and in each row
+    the ``floor(attended_fraction * B)`` tokens the latest query attends to most (TOVA's
+    choice: what a look-up query needs, which a ranker trained on future attention
+    underweights; ``heuristics.protect_attended``).
 
     The state is ``(params, wo_LNHD, reconstruction)``: ``init(wo_LNHD=None,
     reconstruction=None)`` takes the model's stacked output projection, needed (and then
     required) only by ``MODEL_FEATURES``, and kvzip's reconstruction scores of the prompt,
     needed only by ``RECON_FEATURES`` (such a ranker compresses once, ``prefill`` protocol,
     and only the fidelity evaluation computes its state: ``Policy.window_input``)."""
-    if not 0 <= recent_fraction <= 1:
-        raise ValueError(f"recent_fraction must be in [0, 1], got {recent_fraction}")
+    for what, share in (
+        ("recent_fraction", recent_fraction),
+        ("attended_fraction", attended_fraction),
+    ):
+        if not 0 <= share <= 1:
+            raise ValueError(f"{what} must be in [0, 1], got {share}")
     features = tuple(features)
     if params["mean"].shape != (len(features),):
         raise ValueError(f"params for {params['mean'].shape[0]} features, got {features}")
@@ -273,16 +282,23 @@ def ranker_policy(
     def score(state, cache, *, budget_B, **_):
         weights, wo, recon = state
         s = head_scores(weights, cache, names=features, wo_LNHD=wo, reconstruction=recon)
-        if not (recent_fraction or sinks):
+        if not (recent_fraction or sinks or attended_fraction):
             return s  # the raw log-odds (module docstring)
         # squashed into [0, 1) under the protected tier (ranking unchanged), as the
         # heuristics' scores are: raw scores above TIER would outrank protected tokens
         n_recent = jnp.floor(recent_fraction * budget_B).astype(jnp.int32)
         s = protect_recent(0.999 * jax.nn.sigmoid(s), cache, n_recent)
+        if attended_fraction:
+            n_top = jnp.floor(attended_fraction * budget_B).astype(jnp.int32)
+            s = protect_attended(s, cache, n_top)
         s = jnp.where(cache.pos < sinks, TIER + 1.0, s)  # sinks above everything
         return jnp.where(cache.valid, s, -jnp.inf)
 
     spec = (*spec, ("features", features), ("recent_fraction", recent_fraction), ("sinks", sinks))
+    if (
+        attended_fraction
+    ):  # (absent when 0: the specs, and so the jit caches, of older rankers stay)
+        spec = (*spec, ("attended_fraction", attended_fraction))
     return Policy(
         name=name,
         score=score,
@@ -307,6 +323,25 @@ def save_ranker(
     if "base" in params:
         meta["base"] = features[int(jnp.argmax(params["base"]))]
     return checkpoint_lib.save(path, params, meta, meta_name=META)
+
+
+def retier(src: str | Path, dst: str | Path, **tiers) -> Path:
+    """Saves the ranker at ``src`` (a path or a shipped name) as ``dst`` with other protected
+    tiers (``PROTECTION``: e.g. ``attended_fraction=0.125``) in its meta; the params, and so
+    every unprotected score, are unchanged. ``derived_from`` in the meta names ``src``.
+
+    Raises:
+        ValueError: a setting that is not a tier, or a share outside [0, 1].
+        jaxkv.checkpoint.CheckpointError: no ranker at ``src``.
+    """
+    unknown = sorted(set(tiers) - set(PROTECTION))
+    if unknown:
+        raise ValueError(f"not a ranker tier: {unknown}; valid: {PROTECTION}")
+    params, meta = load_ranker_params(checkpoint_path(src))
+    meta = {**meta, **tiers, "derived_from": str(src)}
+    features = tuple(meta["features"])
+    ranker_policy(params, features=features, **{k: meta[k] for k in PROTECTION if k in meta})
+    return save_ranker(dst, params, meta, features=features)
 
 
 def load_ranker_params(path: str | Path) -> tuple[dict, dict]:
@@ -346,9 +381,10 @@ def load_ranker_params(path: str | Path) -> tuple[dict, dict]:
 
 def load_ranker(path: str, **settings) -> Policy:
     """``ranker:<path>``: the ranker saved at ``path`` (or shipped under that name), with the
-    ``recent_fraction`` and ``sinks`` it was saved with unless ``settings`` give them."""
+    ``recent_fraction``, ``sinks`` and ``attended_fraction`` it was saved with unless
+    ``settings`` give them."""
     params, meta = load_ranker_params(checkpoint_path(path))
-    saved = {k: meta[k] for k in ("recent_fraction", "sinks") if k in meta}
+    saved = {k: meta[k] for k in PROTECTION if k in meta}
     settings = {**saved, **settings}
     return ranker_policy(
         params,
