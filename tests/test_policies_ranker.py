@@ -310,6 +310,7 @@ def test_a_ranker_on_some_features_trains_saves_and_scores(tmp_path):
         ("ranker_kvzip_smollm2_cpu", 90),
         ("ranker_kvzipres_smollm2_cpu", 90),
         ("ranker_recall_smollm2_cpu", 90),
+        ("ranker_recall_attended_smollm2_cpu", 90),
     ],
 )
 def test_shipped_rankers_load_and_never_read_the_held_out_domain(name, pool):
@@ -322,6 +323,17 @@ def test_shipped_rankers_load_and_never_read_the_held_out_domain(name, pool):
     assert policy.window_input == ("reconstruction" if reads_kvzip else None)
     assert reads_kvzip == name.startswith("ranker_kvzip")
     assert meta.get("base") == ("log_recon" if name == "ranker_kvzipres_smollm2_cpu" else None)
+    tier = 0.125 if name == "ranker_recall_attended_smollm2_cpu" else None
+    assert meta.get("attended_fraction") == tier
+
+
+def test_the_attended_ranker_is_the_recall_rankers_params():
+    params, meta = ranker_lib.load_ranker_params(
+        checkpoint_path("ranker_recall_attended_smollm2_cpu")
+    )
+    src, _ = ranker_lib.load_ranker_params(checkpoint_path(meta["derived_from"]))
+    assert meta["derived_from"] == "ranker_recall_smollm2_cpu"
+    jax.tree.map(np.testing.assert_array_equal, params, src)
 
 
 def test_reconstruction_features_are_kvzips_scores_at_each_slot():

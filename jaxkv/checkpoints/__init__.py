@@ -17,6 +17,10 @@ windows (README, "DistillCache out of sample").
 
 ``ranker_recall_smollm2_cpu/``: the pooled recipe with the ``recall`` training domain added
 (``--domains prose,math,code,chat,recall``; ``jaxkv.rl.recall``), shipped by the validation rule
-of ``results/retrieval_recall/PROTOCOL.md``; its held-out run (``scripts/retrieval_recall.sh
-heldout``) has not been made yet.
+of ``results/retrieval_recall/PROTOCOL.md`` (its held-out run: ``results/retrieval_recall/``).
+
+``ranker_recall_attended_smollm2_cpu/``: the recall ranker's params with a protected tier, in
+each (layer, KV head) row the eighth of the budget the latest query attends to most
+(``attended_fraction`` 0.125 in its ``ranker.json``; ``jaxkv.policies.ranker.retier``), shipped
+by the rule of ``results/retrieval_attended/PROTOCOL.md`` (``scripts/retrieval_attended.sh``).
 """
