@@ -341,6 +341,9 @@ class ExpertKVLearn(BlockKVLearn):
         self._p_hat_v, self._count_v = memoryview(st.p_hat_P), memoryview(st.count_P)
         self._save = self.costs.save_ms.tolist()
         self._block_save = self.block_save_P.tolist()
+        save = self.costs.save_ms
+        self._saved_upto = [float(save[:h].sum()) for h in range(len(save) + 1)]
+        """[max depth + 2] what a hit prefix of h blocks saves, Σ_{j<h} s_j (numpy's sum, once)."""
 
     # ---- expert values and heaps ------------------------------------------------------------
     def _value(self, e: str, k: int, b: int, j: int) -> float:
@@ -532,9 +535,9 @@ class ExpertKVLearn(BlockKVLearn):
     def _guard_step(self, blocks, hit: int, i: int, now: float) -> None:
         """(``"guard"``) Scores request i in the real pool and every baseline's shadow, picks
         the baseline to follow and whether the learner backs off to it."""
-        xs, x, save = self.xs, self.xcfg, self.costs.save_ms
-        saved = float(save[:hit].sum())
-        base = [float(save[: sh.lookup(blocks, i, now)].sum()) for sh in self.shadows]
+        xs, x, saved_upto = self.xs, self.xcfg, self._saved_upto
+        saved = saved_upto[hit]
+        base = [saved_upto[sh.lookup(blocks, i, now)] for sh in self.shadows]
         xs.saved_real += saved
         xs.saved_base_B += base
         xs.full += float(self.full_ms[i])
