@@ -421,6 +421,21 @@ class ExpertKVLearn(BlockKVLearn):
     def attach(self, cache: PrefixCache) -> None:
         self.cache = cache
         cache.bind(select_victim=self.victim, on_insert=self.on_insert)
+        if self.follow:  # every eviction in every shadow calls it: ``_orphan`` as a closure
+            for k, sh in self.shadow_of.items():
+                sh.on_evict = self._orphan_hook(k)
+
+    def _orphan_hook(self, k: int) -> Callable[[int], None]:
+        """``_orphan(k, ·)`` with the pools' views and leader k's queue bound once."""
+        xs, res, shadow_res = self.xs, self.cache.res_view, self.shadow_of[k].cache.res_view
+        queue, push = xs.orphans[k], heapq.heappush
+
+        def orphan(b: int) -> None:
+            if res[b] and not shadow_res[b]:
+                xs.n_orphan += 1
+                push(queue, (xs.n_orphan, b))
+
+        return orphan
 
     def prio(self, b, i, j, now):
         xs = self.xs
