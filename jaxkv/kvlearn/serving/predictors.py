@@ -139,9 +139,9 @@ class DeferredPRP(HostPRP):
 
 
 _COMPILER_OPTIONS = {"xla_backend_optimization_level": 1}
-"""LLVM at -O1 instead of -O2 for the PRP's two programs: 15-20 % less compilation on the CPU
-backend (about 0.4 s of the first run), the same parameters bit for bit (checked over every
-round of the simulator's runs; -O0 changes them), and no slower rounds."""
+"""LLVM at -O1 instead of -O2 for the PRP's two programs: 15-25 % less compilation on the CPU
+backend (0.3-0.4 s of the first run), the same parameters bit for bit (checked over every
+round of the simulator's runs; -O0 changes them), and rounds as fast within the noise."""
 
 _init_prp = jax.jit(  # one compilation, not one per op
     prp_lib.init_prp, static_argnums=0, compiler_options=_COMPILER_OPTIONS
