@@ -97,6 +97,7 @@ def simulate(
     nodes = [0.0] * cfg.prefill_nodes  # heap of free times (s)
     pending: list[tuple[float, int]] = []  # (finish time, request) whose suffix awaits the pool
     counts = {"admits": 0, "discards": 0}
+    touch, prio = cache.touch, pol.prio
     for i in range(n):
         if progress is not None and i and i % _PROGRESS_EVERY == 0:
             progress(_PROGRESS_EVERY)
@@ -106,12 +107,14 @@ def simulate(
             _, k = heapq.heappop(pending)
             offer(cache, pol, trace, k, int(rec["hit_blocks"][k]), rec, counts)
         blk = trace.blocks[i]
-        hit = cache.match(blk) if cap else 0
+        ids = np.asarray(blk).tolist()  # Python ints: faster to index with, block by block
+        hit = cache.match(ids) if cap else 0
         pol.on_access(blk, hit, i, start)
-        for j, b in enumerate(np.asarray(blk[:hit]).tolist()):
-            cache.touch(b, pol.prio(b, i, j, start))
+        for j in range(hit):
+            b = ids[j]
+            touch(b, prio(b, i, j, start))
         n_tok = int(trace.input_len[i])
-        c_tok = int(trace.block_tokens_of(i)[:hit].sum())
+        c_tok = _hit_tokens(trace, i, hit, len(ids))
         service = _service_ms(cost, n_tok, c_tok)
         finish = start + service / 1e3
         heapq.heapreplace(nodes, finish)
@@ -166,6 +169,12 @@ def decode_queue(ready_s, output_len, *, slots: int, tpot_ms: float) -> dict[str
     return {"decode_wait_ms": wait, "done_s": done}
 
 
+def _hit_tokens(trace: MooncakeTrace, i: int, hit: int, m: int) -> int:
+    """Tokens in request i's first ``hit`` blocks (of its m): ``block_tokens_of(i)[:hit].sum()``
+    without the array (every block is full but the last)."""
+    return hit * trace.block_tokens if hit < m else int(trace.input_len[i])
+
+
 def _service_ms(cost: CostModel, n_tok: int, c_tok: int) -> float:
     fetch = cost.transfer_ms(cost.footprint_bytes(c_tok))
     return float(fetch + cost.recompute_ms(float(n_tok)) - cost.recompute_ms(float(c_tok)))
@@ -176,23 +185,27 @@ def offer(cache: PrefixCache, pol: BlockPolicy, trace: MooncakeTrace, i, hit, re
     each is admitted if the policy's gate and the cache agree (``counts`` and
     ``rec["admitted_tokens"]`` record the outcome)."""
     pol.on_offer(i)
-    blk, tok = np.asarray(trace.blocks[i]).tolist(), trace.block_tokens_of(i)
+    blk = np.asarray(trace.blocks[i]).tolist()
+    m, bt = len(blk), trace.block_tokens
     now = float(rec["start_s"][i] + rec["service_ms"][i] / 1e3)
     parent = blk[hit - 1] if hit else ROOT
-    resident, leaf_only, prio = cache.resident, cache.leaf_only, pol.prio
-    for j in range(hit, len(blk)):
+    resident, leaf_only, prio, gate = cache.res_view, cache.leaf_only, pol.prio, pol.gate
+    room, admits, tokens = cache.capacity > 0, 0, 0
+    for j in range(hit, m):
         b = blk[j]
-        ok = cache.capacity > 0 and not (leaf_only and parent != ROOT and not resident[parent])
+        ok = room and not (leaf_only and parent != ROOT and not resident[parent])
         if ok and not resident[b]:
-            admit, min_victim = pol.gate(b, i, j, now)
+            admit, min_victim = gate(b, i, j, now)
             ok = admit and cache.insert(b, parent, prio(b, i, j, now), min_victim=min_victim)
             if ok:
-                counts["admits"] += 1
-                rec["admitted_tokens"][i] += int(tok[j])
+                admits += 1
+                tokens += bt if j < m - 1 else int(trace.input_len[i]) - (m - 1) * bt
         elif ok:
             cache.touch(b, prio(b, i, j, now))
         if not ok:
-            counts["discards"] += len(blk) - j if leaf_only else 1
+            counts["discards"] += m - j if leaf_only else 1
             if leaf_only:
-                return
+                break
         parent = b
+    counts["admits"] += admits
+    rec["admitted_tokens"][i] += tokens

@@ -60,10 +60,12 @@ class PrefixCache:
 
     ``select_victim`` and ``on_insert`` are the policy's hooks (None until it ``bind``s them).
 
-    Attributes (over block ids): ``resident`` ([P] bool array); ``parent`` (ROOT for a first
-    block), ``n_children`` (resident children) and ``version`` (heap entries older than it are
-    stale), [P] lists (read and written block by block); ``prio`` (block → priority of its
-    newest heap entry), ``size`` (resident blocks) and ``evictions`` (so far).
+    Attributes (over block ids): ``resident`` ([P] bool array) and ``res_view`` (the same
+    memory as a memoryview: Python bools, about twice as fast to read and write block by block
+    as the array); ``parent`` (ROOT for a first block), ``n_children`` (resident children) and
+    ``version`` (heap entries older than it are stale), [P] lists (read and written block by
+    block); ``prio`` (block → priority of its newest heap entry), ``size`` (resident blocks)
+    and ``evictions`` (so far).
     """
 
     def __init__(
@@ -79,6 +81,7 @@ class PrefixCache:
         self.capacity = int(capacity)
         self.leaf_only = leaf_only
         self.resident = np.zeros(n_blocks, bool)
+        self.res_view = memoryview(self.resident)
         self.parent = [ROOT] * n_blocks
         self.n_children = [0] * n_blocks  # resident children (leaf_only)
         self.version = [0] * n_blocks  # a list: bumped at every touch, read at every pop
@@ -110,8 +113,9 @@ class PrefixCache:
     def match(self, blocks) -> int:
         """Length of the longest run of leading ``blocks`` that are resident."""
         n = 0
+        res = self.res_view
         for b in blocks:
-            if not self.resident[b]:
+            if not res[b]:
                 break
             n += 1
         return n
@@ -155,7 +159,7 @@ class PrefixCache:
     def _compact(self) -> None:
         """Drops the stale entries (never current again) and re-heapifies: every pop that
         returns a block returns the same one, on a heap of the live entries only."""
-        res, ver = self.resident, self.version
+        res, ver = self.res_view, self.version
         self._heap = h = [e for e in self._heap if res[e[-1]] and e[-2] == ver[e[-1]]]
         heapq.heapify(h)
 
@@ -168,7 +172,7 @@ class PrefixCache:
         """
         if min_victim is not None and self.select_victim is not None:
             raise ValueError("min_victim needs the priority heap; this cache selects by hook")
-        res = self.resident
+        res = self.res_view
         if res[b]:
             self.touch(b, prio)
             return True
@@ -216,7 +220,7 @@ class PrefixCache:
     def _flush_held(self) -> None:
         """Pushes the held block's entry (its current priority and version) if it is a leaf."""
         b, self._held = self._held, ROOT
-        if self.resident[b] and not self.n_children[b]:
+        if self.res_view[b] and not self.n_children[b]:
             self._push(self.prio[b], self.version[b], b)
 
     def peek_victim_prio(self) -> tuple | None:
@@ -231,7 +235,7 @@ class PrefixCache:
             return self._peek_victim()
         v = self.select_victim(incoming)
         if v is not None and not (
-            self.resident[v] and (not self.leaf_only or self.n_children[v] == 0)
+            self.res_view[v] and (not self.leaf_only or self.n_children[v] == 0)
         ):
             raise RuntimeError(f"select_victim returned block {v}, which is not evictable")
         return v
@@ -240,7 +244,7 @@ class PrefixCache:
         held = self._held
         if held != ROOT and not self.n_children[held]:  # (a pinned parent stays held)
             self._flush_held()
-        h, res, ver, kids = self._heap, self.resident, self.version, self.n_children
+        h, res, ver, kids = self._heap, self.res_view, self.version, self.n_children
         while h:
             e = h[0]
             b = e[-1]
@@ -254,7 +258,7 @@ class PrefixCache:
     def _evict(self, b: int) -> None:
         if self.select_victim is None:
             heapq.heappop(self._heap)  # b is the heap's top (``_peek_victim``)
-        res = self.resident
+        res = self.res_view
         res[b] = False
         self.version[b] += 1
         self.size -= 1

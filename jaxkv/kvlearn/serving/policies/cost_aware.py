@@ -46,11 +46,14 @@ class CostAware(BlockPolicy):
         with np.errstate(divide="ignore"):
             self.log_saving_P = np.log(block_saving_ms(trace, cost))
         self.log_mass_P = np.full(trace.n_blocks, -np.inf)
+        self._log_saving = self.log_saving_P.tolist()  # Python floats: faster block by block
+        self._log_mass_v = memoryview(self.log_mass_P)
 
     def prio(self, b, i, j, now):
-        self.log_mass_P[b] = _log_add_exp(float(self.log_mass_P[b]), i / self.tau)
+        mass = self._log_mass_v
+        mass[b] = log_mass = _log_add_exp(mass[b], i / self.tau)
         self.clock += 1
-        return (float(self.log_saving_P[b] + self.log_mass_P[b]), self.clock)
+        return (self._log_saving[b] + log_mass, self.clock)
 
 
 def _log_add_exp(a: float, x: float) -> float:

@@ -34,23 +34,27 @@ class GDSF(BlockPolicy):
         self.h_P = np.zeros(trace.n_blocks)
         self.inflation = 0.0
         self.cache: PrefixCache | None = None
+        # the arrays as memoryviews (Python numbers, faster block by block) and C as a list
+        self._freq_v, self._h_v = memoryview(self.freq_P), memoryview(self.h_P)
+        self._saving = self.saving_P.tolist()
 
     def attach(self, cache):
         super().attach(cache)
         self.cache = cache
 
     def prio(self, b, i, j, now):
-        self.freq_P[b] = self.freq_P[b] + 1 if self.cache.resident[b] else 1
+        freq = self._freq_v
+        freq[b] = freq[b] + 1 if self.cache.res_view[b] else 1
         return self._h(b)
 
     def on_insert(self, b):
         self.cache.touch(b, self._h(b))  # L may have risen while room was made
 
     def _h(self, b: int) -> tuple:
-        h = self.inflation + int(self.freq_P[b]) * float(self.saving_P[b])
-        self.h_P[b] = h
+        h = self.inflation + self._freq_v[b] * self._saving[b]
+        self._h_v[b] = h
         self.clock += 1
         return (h, self.clock)
 
     def on_evict(self, b):
-        self.inflation = max(self.inflation, float(self.h_P[b]))
+        self.inflation = max(self.inflation, self._h_v[b])

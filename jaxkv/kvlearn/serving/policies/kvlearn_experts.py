@@ -86,8 +86,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import heapq
 import math
+from collections.abc import Callable
 
 import numpy as np
 
@@ -323,29 +325,41 @@ class ExpertKVLearn(BlockKVLearn):
         self.follow = self.xcfg.follow or guarded
         if self.follow:
             for k, sh in self.shadow_of.items():
-                sh.on_evict = lambda b, k=k: self._orphan(k, b)
+                sh.on_evict = functools.partial(self._orphan, k)
         self.request_blocks = trace.blocks
         n_tok = trace.input_len.astype(np.float64)
         self.full_ms = np.asarray(cost.recompute_ms(n_tok), np.float64) + np.asarray(
             cost.transfer_ms(cost.footprint_bytes(n_tok)), np.float64
         )
         """[requests] a request's queue-free TTFT without a cache: R(n) + T(n) (ms)."""
+        # Memoryviews of the per-block arrays (the same memory; Python numbers, about twice as
+        # fast as the arrays to read and write block by block) and the costs as lists.
+        xs, st = self.xs, self.state
+        self._tick_v, self._ver_v = memoryview(xs.tick_P), memoryview(xs.version_P)
+        self._freq_v, self._infl_v = memoryview(xs.freq_P), memoryview(xs.inflation_E)
+        self._value_v = [memoryview(row) for row in xs.value_EP]  # per expert
+        self._p_hat_v, self._count_v = memoryview(st.p_hat_P), memoryview(st.count_P)
+        self._save = self.costs.save_ms.tolist()
+        self._block_save = self.block_save_P.tolist()
+        save = self.costs.save_ms
+        self._saved_upto = [float(save[:h].sum()) for h in range(len(save) + 1)]
+        """[max depth + 2] what a hit prefix of h blocks saves, Σ_{j<h} s_j (numpy's sum, once)."""
 
     # ---- expert values and heaps ------------------------------------------------------------
     def _value(self, e: str, k: int, b: int, j: int) -> float:
         if e == "lru":
             return float(self.xs.tick)
         if e == "lfu":
-            return float(self.state.count_P[b])
+            return float(self._count_v[b])
         if e == "gdsf":
-            return float(self.xs.inflation_E[k] + self.xs.freq_P[b] * self.block_save_P[b])
-        return float(self.xs.inflation_E[k] + self.state.p_hat_P[b] * self.costs.save_ms[j])
+            return self._infl_v[k] + self._freq_v[b] * self._block_save[b]
+        return self._infl_v[k] + self._p_hat_v[b] * self._save[j]
 
     def _push(self, b: int) -> None:
         xs = self.xs
-        tick, ver = int(xs.tick_P[b]), int(xs.version_P[b])
-        for k, h in enumerate(xs.heaps):
-            heapq.heappush(h, (float(xs.value_EP[k, b]), tick, ver, b))
+        tick, ver = self._tick_v[b], self._ver_v[b]
+        for h, value in zip(xs.heaps, self._value_v, strict=True):
+            heapq.heappush(h, (value[b], tick, ver, b))
         if (
             len(xs.heaps[0])
             > self.cache.size + (self.cache.size >> _COMPACT_SHIFT) + _COMPACT_SLACK
@@ -356,7 +370,7 @@ class ExpertKVLearn(BlockKVLearn):
         """Drops the stale entries of every expert's heap (an entry is pushed only for a
         resident block, and leaving the pool bumps its version, so a stale entry is never
         current again) and re-heapifies: ``_lowest`` finds the same blocks in a smaller heap."""
-        xs, res = self.xs, self.cache.resident
+        xs, res = self.xs, self.cache.res_view
         ver = xs.version_P.tolist()
         for k, h in enumerate(xs.heaps):
             xs.heaps[k] = h = [e for e in h if res[e[3]] and e[2] == ver[e[3]]]
@@ -364,8 +378,8 @@ class ExpertKVLearn(BlockKVLearn):
 
     def _lowest(self, k: int) -> int | None:
         """Expert k's lowest resident leaf (stale and non-leaf entries are dropped)."""
-        h, version, cache = self.xs.heaps[k], self.xs.version_P, self.cache
-        res, kids = cache.resident, cache.n_children
+        h, version, cache = self.xs.heaps[k], self._ver_v, self.cache
+        res, kids = cache.res_view, cache.n_children
         while h:
             _, _, ver, b = h[0]
             if res[b] and ver == version[b] and kids[b] == 0:
@@ -376,16 +390,17 @@ class ExpertKVLearn(BlockKVLearn):
     def _orphan(self, k: int, b: int) -> None:
         """Block b may be in the real pool but not in leader k's shadow (``follow``): queued in
         the order the shadow let it go (its eviction, or the real pool's storing it later)."""
-        if self.cache.resident[b] and not self.shadow_of[k].cache.resident[b]:
+        if self.cache.res_view[b] and not self.shadow_of[k].cache.res_view[b]:
             self.xs.n_orphan += 1
             heapq.heappush(self.xs.orphans[k], (self.xs.n_orphan, b))
 
     def _lowest_orphan(self, k: int) -> int | None:
         """The first-queued real leaf that leader k's shadow does not hold (``follow``)."""
         h, cache, shadow = self.xs.orphans[k], self.cache, self.shadow_of[k].cache
+        res, shadow_res, kids = cache.res_view, shadow.res_view, cache.n_children
         while h:
             b = h[0][1]
-            if cache.resident[b] and not shadow.resident[b] and cache.n_children[b] == 0:
+            if res[b] and not shadow_res[b] and kids[b] == 0:
                 return b
             heapq.heappop(h)  # re-pushed if it becomes a real leaf outside the shadow again
         return None
@@ -406,23 +421,38 @@ class ExpertKVLearn(BlockKVLearn):
     def attach(self, cache: PrefixCache) -> None:
         self.cache = cache
         cache.bind(select_victim=self.victim, on_insert=self.on_insert)
+        if self.follow:  # every eviction in every shadow calls it: ``_orphan`` as a closure
+            for k, sh in self.shadow_of.items():
+                sh.on_evict = self._orphan_hook(k)
+
+    def _orphan_hook(self, k: int) -> Callable[[int], None]:
+        """``_orphan(k, ·)`` with the pools' views and leader k's queue bound once."""
+        xs, res, shadow_res = self.xs, self.cache.res_view, self.shadow_of[k].cache.res_view
+        queue, push = xs.orphans[k], heapq.heappush
+
+        def orphan(b: int) -> None:
+            if res[b] and not shadow_res[b]:
+                xs.n_orphan += 1
+                push(queue, (xs.n_orphan, b))
+
+        return orphan
 
     def prio(self, b, i, j, now):
         xs = self.xs
-        resident = self.cache.resident[b]
+        resident = self.cache.res_view[b]
         xs.tick += 1
-        xs.tick_P[b] = xs.tick
-        xs.version_P[b] += 1
-        xs.freq_P[b] = xs.freq_P[b] + 1 if resident else 1
+        tick = self._tick_v[b] = xs.tick
+        ver = self._ver_v[b] = self._ver_v[b] + 1
+        freq = self._freq_v
+        freq[b] = freq[b] + 1 if resident else 1
         values = [self._value(e, k, b, j) for k, e in enumerate(self.xcfg.experts)]
-        for k, v in enumerate(values):
-            xs.value_EP[k, b] = v
+        for value, v in zip(self._value_v, values, strict=True):
+            value[b] = v
         # an incoming block is pushed once resident (``on_insert``), an inner one once it is a
         # leaf (``on_evict``, ``victim``: the same entry); ``_push``, inlined:
         if resident and not self.cache.n_children[b]:
-            ver = int(xs.version_P[b])
             for h, v in zip(xs.heaps, values, strict=True):
-                heapq.heappush(h, (v, xs.tick, ver, b))
+                heapq.heappush(h, (v, tick, ver, b))
             if (
                 len(xs.heaps[0])
                 > self.cache.size + (self.cache.size >> _COMPACT_SHIFT) + _COMPACT_SLACK
@@ -436,8 +466,8 @@ class ExpertKVLearn(BlockKVLearn):
         self.xs.parent = ROOT if j == 0 else int(self.request_blocks[i][j - 1])
         if self.xcfg.choice == "guard" and self.xs.leader != 0:
             return True, None
-        p = self.state.p_hat_P[b]
-        return bool(p >= self.cfg.theta and p * self.costs.save_ms[j] > self.costs.write_ms), None
+        p = self._p_hat_v[b]
+        return bool(p >= self.cfg.theta and p * self._save[j] > self.costs.write_ms), None
 
     def victim(self, incoming: int) -> int | None:
         xs = self.xs
@@ -448,20 +478,21 @@ class ExpertKVLearn(BlockKVLearn):
         k = k if k < len(xs.heaps) else 0  # a guard's baseline: the learner's order otherwise
         v = self._lowest(k) if v is None else v
         if v is None:  # nothing evictable: the pinned parent becomes a leaf again
-            if xs.parent != ROOT and self.cache.resident[xs.parent]:
+            if xs.parent != ROOT and self.cache.res_view[xs.parent]:
                 self._push(xs.parent)
             return None
+        infl = self._infl_v
         for g in self.gd_experts:  # L_gd: the value GreedyDual itself would evict now
             low = v if g == k and not followed else self._lowest(g)
             if low is not None:
-                xs.inflation_E[g] = max(xs.inflation_E[g], float(xs.value_EP[g, low]))
+                infl[g] = max(infl[g], self._value_v[g][low])
         xs.chooser = k
         return v
 
     def on_evict(self, b: int) -> None:
         st, xs = self.state, self.xs
         st.n_evict += 1
-        xs.version_P[b] += 1
+        self._ver_v[b] += 1
         k = xs.chooser
         xs.evictions_E[k] += 1
         ghosts = xs.ghosts[k]
@@ -470,7 +501,7 @@ class ExpertKVLearn(BlockKVLearn):
         while len(ghosts) > self.ghost_limit:
             ghosts.popitem(last=False)
         p = self.cache.parent[b]
-        if p != ROOT and self.cache.resident[p] and self.cache.n_children[p] == 0:
+        if p != ROOT and self.cache.res_view[p] and self.cache.n_children[p] == 0:
             self._push(p)  # a leaf again: eligible in every expert's heap
             if self.follow:
                 for k in self.shadow_of:
@@ -491,7 +522,7 @@ class ExpertKVLearn(BlockKVLearn):
             ghosts.pop(b, None)
         if self.follow:  # ``_orphan`` for every shadow, inlined: b is resident here
             for k, sh in self.shadow_of.items():
-                if not sh.cache.resident[b]:
+                if not sh.cache.res_view[b]:
                     xs.n_orphan += 1
                     heapq.heappush(xs.orphans[k], (xs.n_orphan, b))
 
@@ -519,9 +550,9 @@ class ExpertKVLearn(BlockKVLearn):
     def _guard_step(self, blocks, hit: int, i: int, now: float) -> None:
         """(``"guard"``) Scores request i in the real pool and every baseline's shadow, picks
         the baseline to follow and whether the learner backs off to it."""
-        xs, x, save = self.xs, self.xcfg, self.costs.save_ms
-        saved = float(save[:hit].sum())
-        base = [float(save[: sh.lookup(blocks, i, now)].sum()) for sh in self.shadows]
+        xs, x, saved_upto = self.xs, self.xcfg, self._saved_upto
+        saved = saved_upto[hit]
+        base = [saved_upto[sh.lookup(blocks, i, now)] for sh in self.shadows]
         xs.saved_real += saved
         xs.saved_base_B += base
         xs.full += float(self.full_ms[i])
@@ -559,30 +590,44 @@ class ShadowPolicy:
 
     def __init__(self, policy: BlockPolicy, n_blocks: int):
         self.pol = policy
-        self.on_evict = None
-        """Called with each block this shadow evicts (the guard's ``follow`` hook)."""
         hears = type(policy).on_evict is not BlockPolicy.on_evict  # the default does nothing
         self._pol_evict = policy.on_evict if hears else None
+        self._on_evict = None
         self.cache = PrefixCache(
-            policy.capacity, n_blocks=n_blocks, leaf_only=policy.leaf_only, on_evict=self._evicted
+            policy.capacity, n_blocks=n_blocks, leaf_only=policy.leaf_only, on_evict=None
         )
+        self.on_evict = None
         policy.attach(self.cache)
+        self._hears_access = type(policy).on_access is not BlockPolicy.on_access
         self.hits: dict[int, int] = {}
         """Request → its hit here, until the request is stored."""
 
+    @property
+    def on_evict(self) -> Callable[[int], None] | None:
+        """Called with each block this shadow evicts, after the policy's own hook (the guard's
+        ``follow`` hook)."""
+        return self._on_evict
+
+    @on_evict.setter
+    def on_evict(self, hook: Callable[[int], None] | None) -> None:
+        self._on_evict = hook  # the cache calls the one hook there is directly
+        hooks = [h for h in (self._pol_evict, hook) if h is not None]
+        self.cache.on_evict = self._evicted if len(hooks) == 2 else (hooks or [None])[0]
+
     def _evicted(self, b: int) -> None:
-        if self._pol_evict is not None:
-            self._pol_evict(b)
-        if self.on_evict is not None:
-            self.on_evict(b)
+        self._pol_evict(b)
+        self._on_evict(b)
 
     def lookup(self, blocks, i: int, now: float) -> int:
         """Request i's hit prefix here (touched, and remembered for ``store``)."""
         c, pol = self.cache, self.pol
-        hit = c.match(blocks) if c.capacity else 0
-        pol.on_access(blocks, hit, i, now)
+        ids = _ids(blocks)
+        hit = c.match(ids) if c.capacity else 0
+        if self._hears_access:  # the default does nothing
+            pol.on_access(blocks, hit, i, now)
         touch, prio = c.touch, pol.prio
-        for j, b in enumerate(_ids(blocks[:hit])):
+        for j in range(hit):
+            b = ids[j]
             touch(b, prio(b, i, j, now))
         self.hits[i] = hit
         return hit
@@ -595,7 +640,7 @@ class ShadowPolicy:
             return
         blocks = _ids(blocks)
         parent = blocks[hit - 1] if hit else ROOT
-        res, leaf_only, prio, gate = c.resident, c.leaf_only, pol.prio, pol.gate
+        res, leaf_only, prio, gate = c.res_view, c.leaf_only, pol.prio, pol.gate
         for j in range(hit, len(blocks)):
             b = blocks[j]
             if leaf_only and parent != ROOT and not res[parent]:
@@ -650,7 +695,7 @@ class ShadowPool:
         if self.kind == "lfu":
             return (int(pol.state.count_P[b]), self.tick)
         if self.kind == "gdsf":
-            self.freq_P[b] = self.freq_P[b] + 1 if self.cache.resident[b] else 1
+            self.freq_P[b] = self.freq_P[b] + 1 if self.cache.res_view[b] else 1
             return (self.inflation + self.freq_P[b] * float(pol.block_save_P[b]), self.tick)
         v = self.inflation + float(pol.state.p_hat_P[b]) * float(pol.costs.save_ms[j])
         return (v, self.tick)
