@@ -138,19 +138,10 @@ class DeferredPRP(HostPRP):
         super().learn(x, y)  # one chunk (HostPRP counts its step), the round inside
 
 
-_COMPILER_OPTIONS = {"xla_backend_optimization_level": 1}
-"""LLVM at -O1 instead of -O2 for the PRP's two programs: 15-25 % less compilation on the CPU
-backend (0.3-0.4 s of the first run), the same parameters bit for bit (checked over every
-round of the simulator's runs; -O0 changes them), and rounds as fast within the noise."""
-
-_init_prp = jax.jit(  # one compilation, not one per op
-    prp_lib.init_prp, static_argnums=0, compiler_options=_COMPILER_OPTIONS
-)
+_init_prp = jax.jit(prp_lib.init_prp, static_argnums=0)  # one compilation, not one per op
 
 
-@functools.partial(
-    jax.jit, static_argnames="cfg", donate_argnums=0, compiler_options=_COMPILER_OPTIONS
-)
+@functools.partial(jax.jit, static_argnames="cfg", donate_argnums=0)
 def _push_train(state, stats, x_BI, y_B, mask_B, key, step, *, cfg):
     n_obs, mean_I, m2_I = stats  # the host's whitening statistics, used by the round
     state = state.replace(n_obs=n_obs, mean_F=mean_I, m2_F=m2_I)
