@@ -12,8 +12,7 @@ ranker=ranker:ranker_kvzip_smollm2_cpu
 window=(--window 384 --prompt-len 256 --ratios 0.25,0.125 --protocol prefill --granularity global)
 run() {  # name, then fidelity flags
   local name=$1; shift
-  if finished "$out/$name/fidelity.json"; then echo "skip $name (done)"; return; fi
-  "$py" -m jaxkv.eval fidelity "${window[@]}" "$@" --out "$out/$name"
+  evaluate fidelity "$out/$name" "${window[@]}" "$@"
 }
 heldout=runs/distillcache_blend/heldout.txt  # the BBH text (confirm, earlier)
 case "${1:-}" in

@@ -17,8 +17,7 @@ r1=ranker:ranker_kvzipres_smollm2_cpu
 heur=h2o,snapkv,tova,expected_attention,critical:h2o,streaming_llm,knorm
 run() {  # name, then fidelity flags
   local name=$1; shift
-  if finished "$out/$name/fidelity.json"; then echo "skip $name (done)"; return; fi
-  "$py" -m jaxkv.eval fidelity "${common[@]}" "$@" --out "$out/$name"
+  evaluate fidelity "$out/$name" "${common[@]}" "$@"
 }
 run prefill_global --protocol prefill --granularity global \
   --policies kvzip,$q2,$r1,ranker:ranker_global_smollm2_cpu,$heur,oracle

@@ -13,28 +13,27 @@ from jaxkv.rl.data import write_domain_text
 write_domain_text('$1', '$2', tokenizer=load_eval_model('smollm2-135m').tokenizer)"
 }
 
+evaluate() {  # KIND DIR FLAGS...: python -m jaxkv.eval KIND FLAGS --out DIR, unless that run finished
+  local kind=$1 dir=$2
+  shift 2
+  if finished "$dir/$kind.json"; then echo "skip $dir (done)"; return; fi
+  "$py" -m jaxkv.eval "$kind" "$@" --out "$dir"
+}
+
 recall_heldout() {  # OUT DATA_SEED BBH_OFFSET RETRIEVAL_GLOBAL RETRIEVAL_HEAD FIDELITY_GLOBAL
   # The recall rankers' held-out run (results/retrieval_recall*/PROTOCOL.md): retrieval at
   # r = 0.25 on data seed DATA_SEED at both granularities, then decode-protocol fidelity on the
   # BIG-Bench Hard windows at --heldout BBH_OFFSET (the policies given, and critical:h2o per
   # head). Finished runs are skipped.
-  local out=$1 seed=$2 offset=$3 gran policies
-  local common=(--ratios 0.25 --limit 8 --data-seed "$seed" --tasks passkey,needle
+  local out=$1
+  local common=(--ratios 0.25 --limit 8 --data-seed "$2" --tasks passkey,needle
     --lengths 1024,2048)
-  for set in "global $4" "head $5"; do
-    read -r gran policies <<< "$set"
-    finished "$out/retrieval_$gran/retrieval.json" && { echo "skip retrieval_$gran"; continue; }
-    "$py" -m jaxkv.eval retrieval "${common[@]}" --granularity "$gran" --policies "$policies" \
-      --out "$out/retrieval_$gran"
-  done
+  evaluate retrieval "$out/retrieval_global" "${common[@]}" --granularity global --policies "$4"
+  evaluate retrieval "$out/retrieval_head" "${common[@]}" --granularity head --policies "$5"
   local text=runs/retrieval_recall/heldout.txt
   [[ -f $text ]] || write_text reasoning "$text"
-  local fresh=(--text "$text" --heldout "$offset" --limit 8 --window 384 --prompt-len 256
+  local fresh=(--text "$text" --heldout "$3" --limit 8 --window 384 --prompt-len 256
     --protocol decode --ratios 0.25,0.125)
-  for set in "global $6" "head critical:h2o"; do
-    read -r gran policies <<< "$set"
-    finished "$out/fidelity_$gran/fidelity.json" && { echo "skip fidelity_$gran"; continue; }
-    "$py" -m jaxkv.eval fidelity "${fresh[@]}" --granularity "$gran" --policies "$policies" \
-      --out "$out/fidelity_$gran"
-  done
+  evaluate fidelity "$out/fidelity_global" "${fresh[@]}" --granularity global --policies "$6"
+  evaluate fidelity "$out/fidelity_head" "${fresh[@]}" --granularity head --policies critical:h2o
 }

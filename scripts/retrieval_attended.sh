@@ -20,10 +20,9 @@ retier('ranker_recall_smollm2_cpu', '$staged', attended_fraction=0.125)"
     for domain in prose math code chat; do
       text=runs/retrieval_attended/$domain.txt
       [[ -f $text ]] || write_text "$domain" "$text"
-      finished "$out/check_$domain/fidelity.json" && { echo "skip check_$domain"; continue; }
-      "$py" -m jaxkv.eval fidelity --text "$text" --limit 4 --window 384 --prompt-len 256 \
-        --protocol decode --granularity global --ratios 0.25,0.125 \
-        --policies "$recall,ranker:$staged" --out "$out/check_$domain"
+      evaluate fidelity "$out/check_$domain" --text "$text" --limit 4 --window 384 \
+        --prompt-len 256 --protocol decode --granularity global --ratios 0.25,0.125 \
+        --policies "$recall,ranker:$staged"
     done
     "$py" scripts/retrieval_attended_check.py "$out" "$staged" "jaxkv/checkpoints/$shipped" ;;
   heldout)

@@ -10,8 +10,7 @@ out=${OUT:-results/retrieval_fresh}
 common=(--ratios 0.25 --limit 8 --data-seed 1 --tasks passkey,needle --lengths 1024,2048)
 run() {  # name, then retrieval flags
   local name=$1; shift
-  if finished "$out/$name/retrieval.json"; then echo "skip $name (done)"; return; fi
-  "$py" -m jaxkv.eval retrieval "${common[@]}" "$@" --out "$out/$name"
+  evaluate retrieval "$out/$name" "${common[@]}" "$@"
 }
 run global --granularity global --policies full,ranker:ranker_global_smollm2_cpu,h2o,critical:h2o,tova
 run head --granularity head --policies ranker:ranker_smollm2_cpu,h2o,critical:h2o,tova,snapkv
