@@ -28,11 +28,11 @@ def protect_attended(scores_LBKC, cache: KVCache, n_top_B: jax.Array) -> jax.Arr
     ``stats["attn"]``) in the protected tier, ranked among themselves by that attention;
     exactly ``min(n_top, occupied)`` per row (ties: the lower slot first). Other slots keep
     their [0, 1) scores."""
-    attn = cache.stats["attn"]
-    order = jnp.argsort(jnp.where(cache.pos >= 0, -attn, jnp.inf), axis=-1, stable=True)
-    rank = jnp.argsort(order, axis=-1)  # each slot's place in that order
-    top = (rank < n_top_B[None, :, None, None]) & (cache.pos >= 0)
-    return jnp.where(top, TIER + unit_scale(attn, cache.pos), scores_LBKC)
+    attn, valid = cache.stats["attn"], cache.valid
+    order = jnp.argsort(jnp.where(valid, -attn, jnp.inf), axis=-1, stable=True)
+    first = jnp.arange(order.shape[-1]) < n_top_B[None, :, None, None]  # by place in order
+    top = jnp.put_along_axis(jnp.zeros_like(valid), order, first, axis=-1, inplace=False)
+    return jnp.where(top & valid, TIER + unit_scale(attn, cache.pos), scores_LBKC)
 
 
 def unit_scale(x_LBKC: jax.Array, pos_LBKC: jax.Array) -> jax.Array:

@@ -286,8 +286,9 @@ def ranker_policy(
             return s  # the raw log-odds (module docstring)
         # squashed into [0, 1) under the protected tier (ranking unchanged), as the
         # heuristics' scores are: raw scores above TIER would outrank protected tokens
-        n_recent = jnp.floor(recent_fraction * budget_B).astype(jnp.int32)
-        s = protect_recent(0.999 * jax.nn.sigmoid(s), cache, n_recent)
+        s = 0.999 * jax.nn.sigmoid(s)
+        if recent_fraction:  # (0 protects nothing)
+            s = protect_recent(s, cache, jnp.floor(recent_fraction * budget_B).astype(jnp.int32))
         if attended_fraction:
             n_top = jnp.floor(attended_fraction * budget_B).astype(jnp.int32)
             s = protect_attended(s, cache, n_top)
@@ -295,9 +296,8 @@ def ranker_policy(
         return jnp.where(cache.valid, s, -jnp.inf)
 
     spec = (*spec, ("features", features), ("recent_fraction", recent_fraction), ("sinks", sinks))
-    if (
-        attended_fraction
-    ):  # (absent when 0: the specs, and so the jit caches, of older rankers stay)
+    # attended_fraction 0 stays out of the spec: the specs (jit caches) of older rankers stay
+    if attended_fraction:
         spec = (*spec, ("attended_fraction", attended_fraction))
     return Policy(
         name=name,
