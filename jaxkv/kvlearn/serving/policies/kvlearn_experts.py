@@ -86,7 +86,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import heapq
 import math
 from collections.abc import Callable
@@ -322,10 +321,7 @@ class ExpertKVLearn(BlockKVLearn):
             pol = BASELINES[name](trace, cost, pool_blocks=self.capacity)
             self.shadow_of[k] = ShadowPolicy(pol, trace.n_blocks)
         self.shadows = list(self.shadow_of.values())
-        self.follow = self.xcfg.follow or guarded
-        if self.follow:
-            for k, sh in self.shadow_of.items():
-                sh.on_evict = functools.partial(self._orphan, k)
+        self.follow = self.xcfg.follow or guarded  # (``attach`` binds the shadows' hooks)
         self.request_blocks = trace.blocks
         n_tok = trace.input_len.astype(np.float64)
         self.full_ms = np.asarray(cost.recompute_ms(n_tok), np.float64) + np.asarray(
@@ -592,7 +588,6 @@ class ShadowPolicy:
         self.pol = policy
         hears = type(policy).on_evict is not BlockPolicy.on_evict  # the default does nothing
         self._pol_evict = policy.on_evict if hears else None
-        self._on_evict = None
         self.cache = PrefixCache(
             policy.capacity, n_blocks=n_blocks, leaf_only=policy.leaf_only, on_evict=None
         )
