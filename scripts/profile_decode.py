@@ -20,13 +20,16 @@ Markdown tables that ``results/profile_decode.md`` quotes):
     .venv/bin/python scripts/profile_decode.py bandwidth
     .venv/bin/python scripts/profile_decode.py compare [--reps 9]
     .venv/bin/python scripts/profile_decode.py parity --dtype out-first   # max |dlogit|
+    .venv/bin/python scripts/profile_decode.py pvlayout --reps 21   # values slots-last?
 
 ``--dtype int8`` does the same for the int8-weight model (``jaxkv.model.weights_int8``):
 "old" is then the int8 path before "After int8 weights" (``_old_int8_*``: qwix QArrays in
 the float layout) and "new" the library; ``compare --decode 1:1024,8:1024 --prefill ''``
 picks the rows. ``--dtype out-first`` compares float32 weights in the canonical layout
 ("old") with the same weights stored output channels first (``weights_int8.transpose_params``,
-"new"), both through the library's decoder.
+"new"), both through the library's decoder. ``pvlayout`` times p.v alone over all layers
+with the values as the cache stores them (slots before the head dimension) against a
+slots-last layout (fused matrix-vector loops, as q.k), in turns.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import functools
 import math
 import re
 import shutil
@@ -608,6 +612,68 @@ def attention_share(model, kv_dtype, rows, reps):
     return out
 
 
+def _pv_slots_first(p_LBKGC, v_LBKCH):
+    """p.v over every layer as the library computes it: values ``[B, K, C, H]`` (slots
+    before the head dimension), widened to float32 and one batched dot."""
+
+    def layer(x, xs):
+        p, v = xs
+        return x + jnp.einsum("bkgc,bkch->bkgh", p, v.astype(jnp.float32)), None
+
+    x0 = jnp.zeros((*p_LBKGC.shape[1:4], v_LBKCH.shape[-1]), jnp.float32)
+    return jax.lax.scan(layer, x0, (p_LBKGC, v_LBKCH))[0]
+
+
+def _pv_slots_last(p_LBKGC, v_LBKHC, chunks=1):
+    """p.v with the values stored slots last (``[B, K, H, C]``): one matrix-vector product
+    per query row, each output reading a contiguous row of slots (``layers.scores``'s form
+    for q.k), in ``chunks`` pieces along the slots (XLA:CPU fuses a dot whose vector is at
+    most 16 KB)."""
+    B, K, G, C = p_LBKGC.shape[1:]
+    edges = [C * i // chunks for i in range(chunks + 1)]
+
+    def row(p, v):
+        parts = zip(edges[:-1], edges[1:], strict=True)
+        return sum(jnp.matmul(p[a:b], v[:, a:b].astype(jnp.float32).T) for a, b in parts)
+
+    def layer(x, xs):
+        p, v = xs
+        rows = [row(p[b, k, g], v[b, k]) for b in range(B) for k in range(K) for g in range(G)]
+        return x + jnp.stack(rows).reshape(B, K, G, -1), None
+
+    x0 = jnp.zeros((B, K, G, v_LBKHC.shape[-2]), jnp.float32)
+    return jax.lax.scan(layer, x0, (p_LBKGC, v_LBKHC))[0]
+
+
+def pv_layout(model, rows, reps):
+    """p.v alone for all layers, values slots-first (the cache's layout) against slots-last,
+    in turns; rows (batch, slots, kv dtype). Returns (batch, slots, dtype, {variant: ms},
+    max |difference|)."""
+    cfg = model.config
+    L, K, H = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
+    G = cfg.n_heads // K
+    out = []
+    for batch, slots, dtype in rows:
+        key = jax.random.key(0)
+        p = jax.nn.softmax(jax.random.normal(key, (L, batch, K, G, slots)), axis=-1)
+        v = jax.random.normal(jax.random.fold_in(key, 1), (L, batch, K, slots, H))
+        if dtype == "int8":
+            v = jnp.clip(jnp.round(16 * v), -127, 127).astype(jnp.int8)
+        v_last = jnp.swapaxes(v, -1, -2).copy()
+        fns = {"slots-first": (jax.jit(_pv_slots_first), v)}
+        for chunks in (1, 2) if slots * 4 > 16384 else (1,):
+            fn = jax.jit(functools.partial(_pv_slots_last, chunks=chunks))
+            fns[f"slots-last/{chunks}"] = (fn, v_last)
+        ref = fns["slots-first"][0](p, v)
+        diff = max(float(jnp.max(jnp.abs(f(p, a) - ref))) for f, a in fns.values())
+        t = in_turns(
+            {k: lambda f=f, a=a, p=p: jax.block_until_ready(f(p, a)) for k, (f, a) in fns.items()},
+            reps,
+        )
+        out.append((batch, slots, dtype, {k: 1e3 * _med(v) for k, v in t.items()}, diff))
+    return out
+
+
 def _med(x):
     return statistics.median(x)
 
@@ -686,7 +752,16 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
         "what",
-        choices=["all", "profile", "bandwidth", "compare", "parity", "kvcompare", "attnshare"],
+        choices=[
+            "all",
+            "profile",
+            "bandwidth",
+            "compare",
+            "parity",
+            "kvcompare",
+            "attnshare",
+            "pvlayout",
+        ],
     )
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=4096)
@@ -746,6 +821,15 @@ def main():
             print(
                 f"batch {b} context {ctx}: {w:.1f} ms, without cache attention {wo:.1f} ms,"
                 f" attention {d:.1f} ms ({100 * d / w:.0f} %)"
+            )
+        print(open("/proc/loadavg").read().strip())
+    elif args.what == "pvlayout":
+        print(open("/proc/loadavg").read().strip())
+        rows = ((8, 1041, "int8"), (1, 4160, "float32"))
+        for b, slots, dtype, ms, diff in pv_layout(model, rows, args.reps):
+            times = ", ".join(f"{k} {v:.2f} ms" for k, v in ms.items())
+            print(
+                f"batch {b}, {slots} {dtype} slots, {len(ms)} forms: {times}; max |diff| {diff:.1e}"
             )
         print(open("/proc/loadavg").read().strip())
     elif args.what == "compare":
