@@ -311,6 +311,7 @@ def test_a_ranker_on_some_features_trains_saves_and_scores(tmp_path):
         ("ranker_kvzipres_smollm2_cpu", 90),
         ("ranker_recall_smollm2_cpu", 90),
         ("ranker_recall_attended_smollm2_cpu", 90),
+        ("ranker_recall_tier_smollm2_cpu", 90),
     ],
 )
 def test_shipped_rankers_load_and_never_read_the_held_out_domain(name, pool):
@@ -323,14 +324,15 @@ def test_shipped_rankers_load_and_never_read_the_held_out_domain(name, pool):
     assert policy.window_input == ("reconstruction" if reads_kvzip else None)
     assert reads_kvzip == name.startswith("ranker_kvzip")
     assert meta.get("base") == ("log_recon" if name == "ranker_kvzipres_smollm2_cpu" else None)
-    tier = 0.125 if name == "ranker_recall_attended_smollm2_cpu" else None
-    assert meta.get("attended_fraction") == tier
+    tiers = {"ranker_recall_attended_smollm2_cpu": 0.125, "ranker_recall_tier_smollm2_cpu": 0.5}
+    assert meta.get("attended_fraction") == tiers.get(name)
 
 
-def test_the_attended_ranker_is_the_recall_rankers_params():
-    params, meta = ranker_lib.load_ranker_params(
-        checkpoint_path("ranker_recall_attended_smollm2_cpu")
-    )
+@pytest.mark.parametrize(
+    "name", ["ranker_recall_attended_smollm2_cpu", "ranker_recall_tier_smollm2_cpu"]
+)
+def test_the_tiered_rankers_are_the_recall_rankers_params(name):
+    params, meta = ranker_lib.load_ranker_params(checkpoint_path(name))
     src, _ = ranker_lib.load_ranker_params(checkpoint_path(meta["derived_from"]))
     assert meta["derived_from"] == "ranker_recall_smollm2_cpu"
     jax.tree.map(np.testing.assert_array_equal, params, src)

@@ -23,4 +23,8 @@ of ``results/retrieval_recall/PROTOCOL.md`` (its held-out run: ``results/retriev
 each (layer, KV head) row the eighth of the budget the latest query attends to most
 (``attended_fraction`` 0.125 in its ``ranker.json``; ``jaxkv.policies.ranker.retier``), shipped
 by the rule of ``results/retrieval_attended/PROTOCOL.md`` (``scripts/retrieval_attended.sh``).
+
+``ranker_recall_tier_smollm2_cpu/``: the same params with half the budget in that tier
+(``attended_fraction`` 0.5), chosen among 0.125, 0.25 and 0.5 by the rule of
+``results/retrieval_tier/PROTOCOL.md`` (``scripts/retrieval_tier.sh``).
 """
