@@ -20,6 +20,19 @@ evaluate() {  # KIND DIR FLAGS...: python -m jaxkv.eval KIND FLAGS --out DIR, un
   "$py" -m jaxkv.eval "$kind" "$@" --out "$dir"
 }
 
+domain_check() {  # OUT POLICIES: decode-protocol fidelity, global granularity, r = 0.25 and
+  # 0.125, on 4 windows of each training domain's text (runs/retrieval_attended/<domain>.txt,
+  # written once) into OUT/check_<domain>: the tier protocols' training-domain check.
+  local domain text
+  for domain in prose math code chat; do
+    text=runs/retrieval_attended/$domain.txt
+    [[ -f $text ]] || write_text "$domain" "$text"
+    evaluate fidelity "$1/check_$domain" --text "$text" --limit 4 --window 384 \
+      --prompt-len 256 --protocol decode --granularity global --ratios 0.25,0.125 \
+      --policies "$2"
+  done
+}
+
 recall_heldout() {  # OUT DATA_SEED BBH_OFFSET RETRIEVAL_GLOBAL RETRIEVAL_HEAD FIDELITY_GLOBAL
   # The recall rankers' held-out run (results/retrieval_recall*/PROTOCOL.md): retrieval at
   # r = 0.25 on data seed DATA_SEED at both granularities, then decode-protocol fidelity on the

@@ -17,13 +17,7 @@ case "${1:-}" in
     [[ -f $staged/ranker.json ]] || "$py" -c "
 from jaxkv.policies.ranker import retier
 retier('ranker_recall_smollm2_cpu', '$staged', attended_fraction=0.125)"
-    for domain in prose math code chat; do
-      text=runs/retrieval_attended/$domain.txt
-      [[ -f $text ]] || write_text "$domain" "$text"
-      evaluate fidelity "$out/check_$domain" --text "$text" --limit 4 --window 384 \
-        --prompt-len 256 --protocol decode --granularity global --ratios 0.25,0.125 \
-        --policies "$recall,ranker:$staged"
-    done
+    domain_check "$out" "$recall,ranker:$staged"
     "$py" scripts/retrieval_attended_check.py "$out" "$staged" "jaxkv/checkpoints/$shipped" ;;
   heldout)
     [[ -f jaxkv/checkpoints/$shipped/ranker.json ]] || { echo "not shipped: see $0 check" >&2; exit 2; }

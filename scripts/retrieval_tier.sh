@@ -23,13 +23,7 @@ retier('ranker_recall_smollm2_cpu', '$staged', attended_fraction=$f)"
       candidates+=("ranker:$staged=$staged")
     done
     policies=$(IFS=,; echo "${candidates[*]%%=*}")
-    for domain in prose math code chat; do
-      text=runs/retrieval_attended/$domain.txt  # the texts of results/retrieval_attended/
-      [[ -f $text ]] || write_text "$domain" "$text"
-      evaluate fidelity "$out/check_$domain" --text "$text" --limit 4 --window 384 \
-        --prompt-len 256 --protocol decode --granularity global --ratios 0.25,0.125 \
-        --policies "$recall,$policies"
-    done
+    domain_check "$out" "$recall,$policies"
     evaluate retrieval "$out/design_head" --ratios 0.25 --limit 8 --data-seed 0 \
       --tasks passkey,needle --lengths 1024,2048 --granularity head --policies "$policies"
     "$py" scripts/retrieval_tier_select.py "$out" "${candidates[@]}" "jaxkv/checkpoints/$shipped" ;;
