@@ -86,7 +86,9 @@ def test_learned_globs_and_seed_lists_are_relative_to_the_working_directory(tmp_
     monkeypatch.chdir(tmp_path)
     for spec in ("runs/seed*", "runs/seed0+runs/seed1"):
         (group,) = runner.parse_policies(f"learned:{spec}")
-        assert group.label == "learned" and len(group.members) == 2
+        assert group.label == f"learned:{spec}" and len(group.members) == 2
+    groups = runner.parse_policies("learned:runs/seed*,learned:runs/seed0+runs/seed1")
+    assert [len(g.members) for g in groups] == [2, 2]  # two seed groups in one run
     with pytest.raises(ValueError, match="'nothing/seed\\*' matches no checkpoint"):
         runner.parse_policies("learned:nothing/seed*")
 

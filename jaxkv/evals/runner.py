@@ -233,7 +233,8 @@ def parse_policies(text: str) -> list[PolicyGroup]:
     """``--policies`` into groups: registry names, ``full``, ``learned:<path>``.
 
     A learned item may name several checkpoints (its seeds) as ``learned:a+b`` or with a glob
-    pattern (``learned:runs/seed*``); they become one row with mean ± std over them.
+    pattern (``learned:runs/seed*``); they become one row with mean ± std over them, labelled
+    with the spec as given (so several seed groups can be compared in one run).
 
     Raises:
         ValueError: unknown policy (listing the valid ones), a learned pattern matching nothing,
@@ -267,7 +268,7 @@ def _learned_group(spec: str) -> PolicyGroup:
         else:
             paths.append(learned_lib.checkpoint_path(part))
     members = tuple(load_learned_policy(p) for p in paths)
-    label = "learned" if len(paths) > 1 else f"learned:{paths[0].name}"
+    label = f"learned:{spec}" if len(paths) > 1 else f"learned:{paths[0].name}"
     return PolicyGroup(label, members)
 
 
