@@ -21,7 +21,9 @@ from jaxkv.eviction import Compression
 from jaxkv.generate import generate_tokens
 from jaxkv.model.params import init_params
 from jaxkv.policies import get_policy
+from jaxkv.policies import ranker as ranker_lib
 from jaxkv.policies.learned import (
+    checkpoint_path,
     count,
     init_mlp,
     learned_policy,
@@ -31,10 +33,11 @@ from jaxkv.policies.learned import (
 )
 from jaxkv.rl import loop
 from jaxkv.rl.config import TrainConfig
-from jaxkv.rl.loop import run
+from jaxkv.rl.loop import init_policy, run
 from jaxkv.rl.objectives import (
     Decisions,
     decide,
+    decide_rows,
     discounted_returns,
     reinforce_loss,
     rloo_advantages,
@@ -302,3 +305,138 @@ def test_data_parallel_rollouts_over_8_devices_equal_single_device():
     )
     assert res.returncode == 0, res.stderr[-3000:]
     assert "DP_OK 8" in res.stdout
+
+
+# ---- per-head decisions (decisions: head): a ranker trained by REINFORCE ----------------------
+HEAD = {**TINY, "decisions": "head", "hidden": 8}
+
+
+def test_row_decisions_are_independent_draws_and_one_row_is_the_shared_draw():
+    scores = jax.random.normal(jax.random.key(0), (3, 12))
+    valid = jnp.arange(12)[None, :] < jnp.array([[12], [10], [7]])
+    key = jax.random.key(1)
+    for est in ("paper", "exact", "ordered_pl"):
+        sel, order = decide_rows(scores, valid, 5, key=key, estimator=est, max_budget=5)
+        for r, k in enumerate(jax.random.split(key, 3)):
+            one = decide(scores[r], valid[r], 5, key=k, estimator=est, max_budget=5)
+            np.testing.assert_array_equal(sel[r], one[0])
+            np.testing.assert_array_equal(order[r], one[1])
+        assert (np.asarray(sel).sum(-1) == 5).all() and not (sel & ~valid).any()
+        sel1, _ = decide_rows(scores[:1], valid[:1], 5, key=key, estimator=est, max_budget=5)
+        np.testing.assert_array_equal(
+            sel1[0], decide(scores[0], valid[0], 5, key=key, estimator=est, max_budget=5)[0]
+        )
+
+
+def test_a_steps_log_prob_is_the_sum_over_its_active_rows():
+    """Two rows decided independently: the loss's log π is the sum of the rows' subset
+    log-probabilities (the inactive row adds nothing), checked against the closed form
+    Σ_{i∈a} s_i − log e_B(exp s) by brute force over all subsets."""
+    import itertools
+
+    params = init_mlp(key=jax.random.key(2), hidden=8)
+    feats = jax.random.uniform(jax.random.key(3), (2, 6, 5))
+    valid = jnp.ones((2, 6), bool)
+    selected = jnp.array([[1, 1, 0, 0, 1, 0], [0, 1, 1, 0, 0, 1]], bool)
+
+    def brute(s, sel):
+        logz = jnp.log(sum(jnp.exp(s[jnp.array(c)].sum()) for c in itertools.combinations(range(6), 3)))
+        return float(jnp.sum(jnp.where(sel, s, 0.0)) - logz)
+
+    s = scores_from_features(params, feats, valid)
+    for active, want in (
+        ([True, True], brute(s[0], selected[0]) + brute(s[1], selected[1])),
+        ([True, False], brute(s[0], selected[0])),
+    ):
+        d = Decisions(
+            feats[None, None],
+            valid[None, None],
+            selected[None, None],
+            jnp.zeros((1, 1, 2, 6), jnp.int32),
+            jnp.full((1, 1), 3),
+            jnp.array(active)[None, None],
+            jnp.zeros((1, 1)),
+        )
+        _, aux = reinforce_loss(
+            params,
+            d,
+            jnp.ones((1, 1)),
+            estimator="exact",
+            beta=0.0,
+            exact_entropy=False,
+            max_budget=3,
+        )
+        np.testing.assert_allclose(float(aux["log_prob"]), want, rtol=1e-5)
+
+
+def test_a_per_head_step_trains_the_ranker_mlp_and_keeps_its_standardization():
+    cfg = TrainConfig(**HEAD)
+    params = init_policy(cfg)
+    params = {**params, "mean": params["mean"] + 0.5, "scale": params["scale"] * 2.0}
+    params = jax.tree.map(np.asarray, params)  # the step donates its state's arrays
+    state = init_state(cfg, params)
+    before = jax.tree.map(lambda x: (x.shape, x.dtype), state)
+    tokens = jax.random.randint(jax.random.key(2), (cfg.stream_len,), 0, 256)
+    for est in ("paper", "exact", "ordered_pl"):
+        cfg = TrainConfig(**{**HEAD, "estimator": est})
+        new, m = train_step(
+            LM,
+            init_state(cfg, params),
+            tokens,
+            jax.random.split(jax.random.key(3), 4),
+            cfg=cfg,
+            config=LM_CFG,
+        )
+        assert all(np.isfinite(float(v)) for v in m.values()) and m["entropy"] > 0
+        assert jax.tree.map(lambda x: (x.shape, x.dtype), new) == before
+        for k in ("mean", "scale"):
+            np.testing.assert_array_equal(new.params[k], params[k])
+        changed = jax.tree.map(
+            lambda a, b: not np.array_equal(a, b), params["mlp"], new.params["mlp"]
+        )
+        assert all(jax.tree.leaves(changed))
+
+
+def test_warm_start_reads_a_ranker_over_the_default_features(tmp_path):
+    params = init_policy(TrainConfig(**{**HEAD, "warm_start": "ranker_smollm2_cpu"}))
+    shipped, _ = ranker_lib.load_ranker_params(checkpoint_path("ranker_smollm2_cpu"))
+    jax.tree.map(np.testing.assert_array_equal, params, shipped)
+    for name, why in (
+        ("ranker_kvzipres_smollm2_cpu", "with base log_recon"),
+        ("ranker_kvzip_smollm2_cpu", "log_recon"),
+    ):
+        with pytest.raises(ValueError, match=why):
+            init_policy(TrainConfig(**{**HEAD, "warm_start": name}))
+    with pytest.raises(CheckpointError, match="ranker"):
+        init_policy(TrainConfig(**{**HEAD, "warm_start": str(tmp_path / "none")}))
+    with pytest.raises(ValueError, match="warm_start only with decisions: head"):
+        TrainConfig(warm_start="ranker_smollm2_cpu")
+    with pytest.raises(ValueError, match="decisions in"):
+        TrainConfig(decisions="layer")
+
+
+@pytest.mark.slow
+def test_a_per_head_run_saves_a_ranker_the_evaluation_loads(tmp_path):
+    cfg = TrainConfig(**{**HEAD, "warm_start": "ranker_smollm2_cpu", "steps": 2})
+    state = run(cfg, tmp_path / "run")
+    policy = get_policy(f"ranker:{tmp_path / 'run' / 'policy'}")
+    back, meta = ranker_lib.load_ranker_params(tmp_path / "run" / "policy")
+    jax.tree.map(np.testing.assert_array_equal, state.params, back)
+    assert meta["train_config"]["decisions"] == "head" and meta["steps"] == 2
+    out = generate_tokens(
+        LM,
+        [list(range(1, 40))],
+        config=LM_CFG,
+        max_new_tokens=4,
+        compression=Compression(policy, ratio=0.25, min_budget=4, granularity="head"),
+    )
+    assert len(out[0]) == 4
+
+
+def test_a_run_saved_before_a_setting_existed_resumes(tmp_path):
+    cfg = TrainConfig(**TINY)
+    run(cfg, tmp_path, stop_after=2)
+    saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    del saved["decisions"], saved["warm_start"]  # as an older jaxkv wrote it
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved))
+    assert int(run(cfg, tmp_path, stop_after=3).step) == 3

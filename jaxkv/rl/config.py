@@ -14,12 +14,20 @@ import yaml
 from jaxkv.rl.plackett_luce import ESTIMATORS
 
 STREAMS = ("data", "teacher")
+DECISIONS = ("shared", "head")
 DATASETS = ("mixed", "shakespeare", "gsm8k")
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """DistillCache training settings (paper App. D defaults where they apply)."""
+    """DistillCache training settings (paper App. D defaults where they apply).
+
+    ``decisions``: ``shared`` trains the paper's policy (``jaxkv.policies.learned``: 5 features,
+    one token set for all layers and heads); ``head`` trains a per-(layer, KV head) ranker
+    (``jaxkv.policies.ranker``, its default features), one Plackett-Luce decision per row, from
+    ``warm_start`` (a ranker checkpoint: a path or a shipped name) or, without one, from a
+    fresh ranker of ``hidden`` units.
+    """
 
     model: str = "smollm2-135m"
     ratio: float = 0.25
@@ -31,6 +39,8 @@ class TrainConfig:
     beta: float = 0.01
     exact_entropy: bool = False
     estimator: str = "exact"
+    decisions: str = "shared"
+    warm_start: str = ""
     learning_rate: float = 3e-4
     warmup_steps: int = 500
     steps: int = 10_000
@@ -57,6 +67,8 @@ class TrainConfig:
             "0 < gamma <= 1": 0 < self.gamma <= 1,
             f"estimator in {ESTIMATORS}": self.estimator in ESTIMATORS,
             f"stream in {STREAMS}": self.stream in STREAMS,
+            f"decisions in {DECISIONS}": self.decisions in DECISIONS,
+            "warm_start only with decisions: head": not self.warm_start or self.decisions == "head",
             f"dataset in {DATASETS}": self.dataset in DATASETS,
             "checkpoint_every >= 1": self.checkpoint_every >= 1,
             "hidden >= 1": self.hidden >= 1,

@@ -27,7 +27,8 @@ from jaxkv.config import ModelConfig
 from jaxkv.generate import generate_tokens
 from jaxkv.model.loading import load_model
 from jaxkv.model.params import init_params
-from jaxkv.policies.learned import count, init_mlp, save_policy
+from jaxkv.policies import ranker as ranker_lib
+from jaxkv.policies.learned import checkpoint_path, count, init_mlp, save_policy
 from jaxkv.rl.config import TrainConfig
 from jaxkv.rl.data import build_corpora, stream_for_step
 from jaxkv.rl.step import TrainState, init_state, train_step
@@ -69,7 +70,8 @@ def _check_workdir(workdir: Path, cfg: TrainConfig, *, started: bool) -> None:
     if workdir.exists() and not workdir.is_dir():
         raise ValueError(f"--workdir {workdir} exists and is not a directory")
     saved = workdir / CONFIG
-    if started and saved.exists() and saved.read_text() != _config_text(cfg):
+    # as settings, not text: a run saved before a setting existed has its default
+    if started and saved.exists() and TrainConfig.from_yaml(saved) != cfg:
         raise ValueError(
             f"{workdir} holds a run with a different config ({saved}); resume with the same "
             "settings or choose a new --workdir"
@@ -89,6 +91,30 @@ def _truncate_metrics(path: Path, last_step: int) -> None:
     path.write_text("".join(ln + "\n" for ln in kept))
 
 
+def init_policy(cfg: TrainConfig) -> dict:
+    """The policy's starting parameters: a fresh shared MLP (``decisions: shared``), or for
+    ``head`` the ranker checkpoint ``warm_start`` (over the ranker's default features, not
+    residual) or a fresh ranker.
+
+    Raises:
+        jaxkv.checkpoint.CheckpointError: ``warm_start`` is no readable ranker checkpoint.
+        ValueError: it is a ranker over other features, or a residual one.
+    """
+    key = jax.random.key(cfg.seed)
+    if cfg.decisions == "shared":
+        return init_mlp(key=key, hidden=cfg.hidden)
+    if not cfg.warm_start:
+        return ranker_lib.init_params(key=key, hidden=cfg.hidden)
+    params, meta = ranker_lib.load_ranker_params(checkpoint_path(cfg.warm_start))
+    if tuple(meta["features"]) != ranker_lib.DEFAULT_FEATURES or "base" in params:
+        raise ValueError(
+            f"warm_start {cfg.warm_start}: per-head training starts from a ranker over "
+            f"{list(ranker_lib.DEFAULT_FEATURES)} without a base feature; this one reads "
+            f"{meta['features']}" + (f" with base {meta.get('base')}" if "base" in params else "")
+        )
+    return params
+
+
 def run(cfg: TrainConfig, workdir: Path, *, stop_after: int | None = None) -> TrainState:
     """Trains (or resumes) in ``workdir``; returns the final state.
 
@@ -101,10 +127,11 @@ def run(cfg: TrainConfig, workdir: Path, *, stop_after: int | None = None) -> Tr
     workdir = Path(workdir)
     ckpts = TrainCheckpoints(workdir)
     _check_workdir(workdir, cfg, started=bool(ckpts.steps()))
+    policy_params = init_policy(cfg)  # a bad warm_start fails before the model loads
     config, params, tokenizer = load_lm(cfg.model)
     corpora = build_corpora(tokenizer, dataset=cfg.dataset)
     mesh = sharding.make_mesh(data=cfg.data_parallel) if cfg.data_parallel > 1 else None
-    state = init_state(cfg, init_mlp(key=jax.random.key(cfg.seed), hidden=cfg.hidden))
+    state = init_state(cfg, policy_params)
     state, saved = _resume(ckpts, state)
     start = int(state.step)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -185,7 +212,10 @@ def _finish(workdir: Path, cfg: TrainConfig, state: TrainState) -> None:
         "steps": int(state.step),
         "command": " ".join(["python -m jaxkv.train"] + sys.argv[1:]),
     }
-    path = save_policy(workdir / "policy", state.params, meta)
+    if cfg.decisions == "shared":
+        path = save_policy(workdir / "policy", state.params, meta)
+    else:  # a per-head ranker: ranker:<workdir>/policy
+        path = ranker_lib.save_ranker(workdir / "policy", state.params, meta)
     plot_metrics(workdir / METRICS, workdir / "training.png")
     print(f"policy ({count(state.params)} parameters) saved to {path}")
 

@@ -1,8 +1,10 @@
 """REINFORCE pieces: subset decisions, returns, baselines and the policy-gradient loss.
 
 A *decision* keeps ``budget`` of the valid slots of one row, sampled from the policy's
-scores with one of the estimators of ``jaxkv.rl.plackett_luce``. The loss recomputes the
-scores from stored features, so gradients reach the policy and never the language model.
+scores with one of the estimators of ``jaxkv.rl.plackett_luce``; a step decides every row of
+the cache (one for the shared policy, one per (layer, KV head) for a per-head one), and its
+log-probability is the sum over the rows. The loss recomputes the scores from stored features,
+so gradients reach the policy and never the language model.
 """
 
 from __future__ import annotations
@@ -11,21 +13,21 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxkv.policies.learned import scores_from_features
+from jaxkv.policies import learned
 from jaxkv.rl import plackett_luce as pl
 
 
 @struct.dataclass
 class Decisions:
-    """Per-step records of K rollouts, each field [K, S, ...] (S decision steps).
+    """Per-step records of K rollouts, each field [K, S, ...] (S decision steps, R rows).
 
     Attributes:
-        features: [K, S, C, 5] raw token features before the decision.
-        valid: [K, S, C] occupied slots.
-        selected: [K, S, C] slots kept.
-        order: [K, S, C] the Gumbel draw order (``ordered_pl``; zeros otherwise).
-        budget: [K, S] B_t.
-        active: [K, S] the decision dropped something (more valid slots than the budget).
+        features: [K, S, R, C, F] raw token features before the decision.
+        valid: [K, S, R, C] occupied slots.
+        selected: [K, S, R, C] slots kept.
+        order: [K, S, R, C] the Gumbel draw order (``ordered_pl``; zeros otherwise).
+        budget: [K, S] B_t (every row's).
+        active: [K, S, R] the row's decision dropped something (more valid slots than B_t).
         reward: [K, S] -KL(P_teacher || P_student) at the step after the decision.
     """
 
@@ -52,6 +54,15 @@ def decide(scores_C, valid_C, budget, *, key, estimator: str, max_budget: int):
         max_budget=max_budget,
     )
     return selected, jnp.zeros(scores_C.shape, jnp.int32)
+
+
+def decide_rows(scores_RC, valid_RC, budget, *, key, estimator: str, max_budget: int):
+    """``decide`` for every row, independently: (selected [R, C], order [R, C]). One row uses
+    ``key`` itself (so the shared policy samples as it always has), several one key each."""
+    one = lambda s, v, k: decide(s, v, budget, key=k, estimator=estimator, max_budget=max_budget)
+    if scores_RC.shape[0] == 1:
+        return jax.tree.map(lambda x: x[None], one(scores_RC[0], valid_RC[0], key))
+    return jax.vmap(one)(scores_RC, valid_RC, jax.random.split(key, scores_RC.shape[0]))
 
 
 def log_prob(scores_C, valid_C, selected_C, order_C, budget, *, estimator, max_budget):
@@ -88,24 +99,37 @@ def reinforce_loss(
     beta: float,
     exact_entropy: bool,
     max_budget: int,
+    scores_fn=learned.scores_from_features,
 ):
-    """-mean(A * log π(a)) - beta * entropy, over active decisions.
+    """-mean(A * log π(a)) - beta * entropy, over steps where some row's decision is active.
 
-    The entropy bonus is the paper's single-sample surrogate -log π(a) (its gradient is
-    that of E[-log π]), or with ``exact_entropy`` the exact H = log Z - Σ p_i s_i.
+    log π(a) of a step is the sum over its active rows (independent decisions), and so is the
+    entropy. The entropy bonus is the paper's single-sample surrogate -log π(a) (its gradient
+    is that of E[-log π]), or with ``exact_entropy`` the exact H = log Z - Σ p_i s_i.
+    ``scores_fn(params, features, valid)`` is the policy's (``rollout.Rows.scores``).
 
     Returns:
         (loss, aux dict with the mean log-prob and the exact entropy).
     """
 
-    def one(features, valid, selected, order, budget):
-        s = scores_from_features(policy_params, features, valid)
+    def row(features, valid, selected, order, budget):
+        s = scores_fn(policy_params, features, valid)
         lp = log_prob(s, valid, selected, order, budget, estimator=estimator, max_budget=max_budget)
         h = pl.entropy(s, budget, mask_L=valid, max_budget=max_budget)
         return lp, h
 
-    lp_KS, h_KS = jax.vmap(jax.vmap(one))(d.features, d.valid, d.selected, d.order, d.budget)
-    w = d.active.astype(jnp.float32)
+    def one(features, valid, selected, order, budget, active):
+        if valid.shape[0] == 1:  # the shared policy: its one row, as it always was
+            lp, h = row(features[0], valid[0], selected[0], order[0], budget)
+            return lp * active[0], h * active[0]
+        lp, h = jax.vmap(row, in_axes=(0, 0, 0, 0, None))(features, valid, selected, order, budget)
+        return jnp.sum(lp * active), jnp.sum(h * active)
+
+    active_RS = d.active.astype(jnp.float32)
+    lp_KS, h_KS = jax.vmap(jax.vmap(one))(
+        d.features, d.valid, d.selected, d.order, d.budget, active_RS
+    )
+    w = jnp.any(d.active, axis=-1).astype(jnp.float32)
     n = jnp.maximum(jnp.sum(w), 1.0)
     pg = -jnp.sum(jax.lax.stop_gradient(advantages_KS) * lp_KS * w) / n
     ent = jnp.sum((h_KS if exact_entropy else -lp_KS) * w) / n

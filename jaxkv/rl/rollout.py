@@ -4,9 +4,17 @@ The teacher's next-token distributions for the whole stream come from one parall
 pass (its cache is never pruned). Each of K student rollouts (vmapped) prefills the prompt,
 then at every step scores its cache with the policy, samples the kept set, frees the rest,
 and decodes the next stream token on the pruned cache; its reward is -KL(P_t || P̂_t).
+
+A decision is made per *row* of the cache (``Rows``): one row for the paper's shared policy
+(one token set for all layers and heads), L·K rows for a per-head ranker (each (layer, KV
+head) keeps its own B_t tokens, sampled independently from its own scores), so the action's
+log-probability is the sum of the rows' Plackett-Luce log-probabilities.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -14,8 +22,66 @@ import jax.numpy as jnp
 from jaxkv import kvcache, stats
 from jaxkv.config import ModelConfig
 from jaxkv.model import decoder
-from jaxkv.policies.learned import scores_from_features
-from jaxkv.rl.objectives import Decisions, decide
+from jaxkv.policies import learned
+from jaxkv.policies import ranker as ranker_lib
+from jaxkv.rl.objectives import Decisions, decide_rows
+
+FROZEN = ("mean", "scale")
+"""A per-head ranker's parameters that RL leaves as they are."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Rows:
+    """How a trained policy reads a batch-1 cache: rows of slot features, their scores, and the
+    cache slots a row's dropped tokens free."""
+
+    stats: tuple[str, ...]
+    """The cache statistics the features read."""
+    features: Callable[[kvcache.KVCache], tuple[jax.Array, jax.Array]]
+    """cache -> (features [R, C, F], valid [R, C])."""
+    scores: Callable[[dict, jax.Array, jax.Array], jax.Array]
+    """(params, features [..., C, F], valid [..., C]) -> scores [..., C] (-inf on free slots)."""
+    drop_mask: Callable[[kvcache.KVCache, jax.Array], jax.Array]
+    """(cache, drop [R, C]) -> a mask broadcasting to the cache's [L, 1, K, C]."""
+
+
+def _shared_features(cache):
+    return stats.features(cache)[0][None], (cache.pos[0, 0, 0] >= 0)[None]
+
+
+def _head_features(cache):
+    L, _, K, C = cache.pos.shape
+    feats = ranker_lib.head_features(cache, names=ranker_lib.DEFAULT_FEATURES)[:, 0]
+    return feats.reshape(L * K, C, -1), (cache.pos[:, 0] >= 0).reshape(L * K, C)
+
+
+def _head_scores(params, feats, valid):
+    """The ranker's scores, its feature standardization (``mean``, ``scale``: fitted to the
+    supervised training's data) held fixed: RL trains the MLP only (``step.make_optimizer``)."""
+    fixed = {k: jax.lax.stop_gradient(params[k]) for k in FROZEN}
+    return ranker_lib.scores_from_features({**params, **fixed}, feats, valid)
+
+
+def _head_drop(cache, drop_RC):
+    L, _, K, C = cache.pos.shape
+    return drop_RC.reshape(L, 1, K, C)
+
+
+ROWS = {
+    "shared": Rows(
+        stats=stats.FEATURE_STATS,
+        features=_shared_features,
+        scores=learned.scores_from_features,
+        drop_mask=lambda cache, drop_RC: drop_RC[0][None, None, None, :],
+    ),
+    "head": Rows(
+        stats=ranker_lib.STATS,
+        features=_head_features,
+        scores=_head_scores,
+        drop_mask=_head_drop,
+    ),
+}
+"""``TrainConfig.decisions`` -> its rows."""
 
 
 def teacher_log_probs(lm_params, tokens_T, *, config: ModelConfig, prompt_len: int):
@@ -46,19 +112,21 @@ def student_rollout(
     ratio: float,
     min_budget: int,
     estimator: str,
+    decisions: str = "shared",
 ) -> Decisions:
-    """One student rollout; fields of the result have a leading step axis S = T - P."""
+    """One student rollout; fields of the result have a leading step axis S = T - P and a
+    row axis R after it (``Rows``)."""
     T = tokens_T.shape[0]
-    cache = kvcache.init_cache(config, batch_size=1, capacity=T, stats=stats.FEATURE_STATS)
+    rows = ROWS[decisions]
+    cache = kvcache.init_cache(config, batch_size=1, capacity=T, stats=rows.stats)
     _, cache = decoder.prefill(lm_params, tokens_T[None, :prompt_len], cache, config=config)
 
     def step(cache, xs):
         i, token, teacher_logp = xs
-        feats = stats.features(cache)[0]
-        valid = cache.pos[0, 0, 0] >= 0
+        feats, valid = rows.features(cache)
         budget = jnp.maximum(jnp.floor(ratio * cache.length[0]).astype(jnp.int32), min_budget)
-        scores = scores_from_features(policy_params, feats, valid)
-        selected, order = decide(
+        scores = rows.scores(policy_params, feats, valid)
+        selected, order = decide_rows(
             scores,
             valid,
             budget,
@@ -66,17 +134,17 @@ def student_rollout(
             estimator=estimator,
             max_budget=max_budget(T, ratio=ratio, min_budget=min_budget),
         )
-        active = jnp.sum(valid) > budget
-        drop = valid & ~selected & active
-        cache = kvcache.free_slots(cache, drop[None, None, None, :])
+        active = jnp.sum(valid, axis=-1) > budget
+        drop = valid & ~selected & active[:, None]
+        cache = kvcache.free_slots(cache, rows.drop_mask(cache, drop))
         logits, cache = decoder.decode_step(lm_params, token[None], cache, config=config)
         reward = -kl_rows(teacher_logp, jax.nn.log_softmax(logits[0]))
         return cache, Decisions(feats, valid, selected, order, budget, active, reward)
 
     S = T - prompt_len
     xs = (jnp.arange(S), tokens_T[prompt_len:], teacher_logp_SV)
-    _, decisions = jax.lax.scan(step, cache, xs)
-    return decisions
+    _, out = jax.lax.scan(step, cache, xs)
+    return out
 
 
 def rollouts(lm_params, policy_params, tokens_T, *, keys_K, **kwargs) -> Decisions:

@@ -12,7 +12,7 @@ from flax import struct
 from jaxkv.config import ModelConfig
 from jaxkv.rl.config import TrainConfig
 from jaxkv.rl.objectives import discounted_returns, reinforce_loss, rloo_advantages
-from jaxkv.rl.rollout import max_budget, rollouts
+from jaxkv.rl.rollout import FROZEN, ROWS, max_budget, rollouts
 
 
 @struct.dataclass
@@ -26,14 +26,22 @@ class TrainState:
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-    """AdamW with linear warm-up and cosine decay, gradients clipped by global norm."""
+    """AdamW with linear warm-up and cosine decay, gradients clipped by global norm; a
+    per-head ranker's ``FROZEN`` parameters are never updated (nor decayed)."""
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, cfg.learning_rate, cfg.warmup_steps, cfg.steps, end_value=0.0
     )
-    return optax.chain(
-        optax.clip_by_global_norm(cfg.clip_norm),
-        optax.adamw(schedule, weight_decay=cfg.weight_decay),
-    )
+    opt = optax.adamw(schedule, weight_decay=cfg.weight_decay)
+    if cfg.decisions == "head":
+        opt = optax.multi_transform({"fit": opt, "frozen": optax.set_to_zero()}, _labels)
+    return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), opt)
+
+
+def _labels(params: dict) -> dict:
+    return {
+        k: jax.tree.map(lambda _, k=k: "frozen" if k in FROZEN else "fit", v)
+        for k, v in params.items()
+    }
 
 
 def init_state(cfg: TrainConfig, policy_params: dict) -> TrainState:
@@ -81,6 +89,7 @@ def train_step(
         ratio=cfg.ratio,
         min_budget=cfg.min_budget,
         estimator=cfg.estimator,
+        decisions=cfg.decisions,
     )
     returns = discounted_returns(d.reward, cfg.gamma)
     adv, ema = advantages(returns, state.ema_return, decay=cfg.ema_decay)
@@ -90,6 +99,7 @@ def train_step(
         beta=cfg.beta,
         exact_entropy=cfg.exact_entropy,
         max_budget=max_budget(cfg.stream_len, ratio=cfg.ratio, min_budget=cfg.min_budget),
+        scores_fn=ROWS[cfg.decisions].scores,
     )
     (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, d, adv)
     updates, opt_state = make_optimizer(cfg).update(grads, state.opt_state, state.params)
