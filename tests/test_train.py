@@ -340,7 +340,9 @@ def test_a_steps_log_prob_is_the_sum_over_its_active_rows():
     selected = jnp.array([[1, 1, 0, 0, 1, 0], [0, 1, 1, 0, 0, 1]], bool)
 
     def brute(s, sel):
-        logz = jnp.log(sum(jnp.exp(s[jnp.array(c)].sum()) for c in itertools.combinations(range(6), 3)))
+        logz = jnp.log(
+            sum(jnp.exp(s[jnp.array(c)].sum()) for c in itertools.combinations(range(6), 3))
+        )
         return float(jnp.sum(jnp.where(sel, s, 0.0)) - logz)
 
     s = scores_from_features(params, feats, valid)
@@ -440,3 +442,24 @@ def test_a_run_saved_before_a_setting_existed_resumes(tmp_path):
     del saved["decisions"], saved["warm_start"]  # as an older jaxkv wrote it
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved))
     assert int(run(cfg, tmp_path, stop_after=3).step) == 3
+
+
+def test_a_score_scale_sharpens_the_rollouts_and_must_be_positive():
+    cfg1 = TrainConfig(**HEAD)
+    params = jax.tree.map(np.asarray, init_policy(cfg1))
+    tokens = jax.random.randint(jax.random.key(2), (cfg1.stream_len,), 0, 256)
+    entropy = {}
+    for scale in (1.0, 8.0):
+        cfg = TrainConfig(**{**HEAD, "score_scale": scale})
+        _, m = train_step(
+            LM,
+            init_state(cfg, params),
+            tokens,
+            jax.random.split(jax.random.key(3), 4),
+            cfg=cfg,
+            config=LM_CFG,
+        )
+        entropy[scale] = float(m["entropy"])
+    assert 0 < entropy[8.0] < entropy[1.0]
+    with pytest.raises(ValueError, match="score_scale > 0"):
+        TrainConfig(score_scale=0.0)

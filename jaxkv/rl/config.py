@@ -27,6 +27,12 @@ class TrainConfig:
     (``jaxkv.policies.ranker``, its default features), one Plackett-Luce decision per row, from
     ``warm_start`` (a ranker checkpoint: a path or a shipped name) or, without one, from a
     fresh ranker of ``hidden`` units.
+
+    ``score_scale`` multiplies the policy's scores where training reads them (the rollouts'
+    sampling and the log-probabilities: a temperature of 1 / ``score_scale``); the saved
+    policy's scores are not scaled, and no top-B ranking depends on a positive scale. A
+    supervised ranker's scores are nearly flat as Plackett-Luce logits
+    (``results/rl_head_warmstart``), so RL from one needs a scale well above 1.
     """
 
     model: str = "smollm2-135m"
@@ -41,6 +47,7 @@ class TrainConfig:
     estimator: str = "exact"
     decisions: str = "shared"
     warm_start: str = ""
+    score_scale: float = 1.0
     learning_rate: float = 3e-4
     warmup_steps: int = 500
     steps: int = 10_000
@@ -72,6 +79,7 @@ class TrainConfig:
             f"dataset in {DATASETS}": self.dataset in DATASETS,
             "checkpoint_every >= 1": self.checkpoint_every >= 1,
             "hidden >= 1": self.hidden >= 1,
+            "score_scale > 0": self.score_scale > 0,
             "data_parallel >= 1": self.data_parallel >= 1,
             "rollouts divisible by data_parallel": (
                 self.data_parallel < 1 or self.rollouts % self.data_parallel == 0

@@ -95,6 +95,14 @@ def kl_rows(logp_p, logp_q):
     return jnp.sum(jnp.exp(logp_p) * (logp_p - logp_q), axis=-1)
 
 
+def scaled(scores_fn, scale: float):
+    """``scores_fn`` times ``scale`` (the sampling temperature's inverse); the function itself
+    when ``scale`` is 1, so that default runs compute what they always have."""
+    if scale == 1.0:
+        return scores_fn
+    return lambda params, feats, valid: scale * scores_fn(params, feats, valid)
+
+
 def max_budget(n_tokens: int, *, ratio: float, min_budget: int) -> int:
     """Largest B_t of a stream of ``n_tokens`` (static width of the subset DP)."""
     return min(n_tokens, max(int(ratio * n_tokens), min_budget))
@@ -113,6 +121,7 @@ def student_rollout(
     min_budget: int,
     estimator: str,
     decisions: str = "shared",
+    score_scale: float = 1.0,
 ) -> Decisions:
     """One student rollout; fields of the result have a leading step axis S = T - P and a
     row axis R after it (``Rows``)."""
@@ -125,7 +134,7 @@ def student_rollout(
         i, token, teacher_logp = xs
         feats, valid = rows.features(cache)
         budget = jnp.maximum(jnp.floor(ratio * cache.length[0]).astype(jnp.int32), min_budget)
-        scores = rows.scores(policy_params, feats, valid)
+        scores = scaled(rows.scores, score_scale)(policy_params, feats, valid)
         selected, order = decide_rows(
             scores,
             valid,

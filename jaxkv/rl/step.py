@@ -12,7 +12,7 @@ from flax import struct
 from jaxkv.config import ModelConfig
 from jaxkv.rl.config import TrainConfig
 from jaxkv.rl.objectives import discounted_returns, reinforce_loss, rloo_advantages
-from jaxkv.rl.rollout import FROZEN, ROWS, max_budget, rollouts
+from jaxkv.rl.rollout import FROZEN, ROWS, max_budget, rollouts, scaled
 
 
 @struct.dataclass
@@ -90,6 +90,7 @@ def train_step(
         min_budget=cfg.min_budget,
         estimator=cfg.estimator,
         decisions=cfg.decisions,
+        score_scale=cfg.score_scale,
     )
     returns = discounted_returns(d.reward, cfg.gamma)
     adv, ema = advantages(returns, state.ema_return, decay=cfg.ema_decay)
@@ -99,7 +100,7 @@ def train_step(
         beta=cfg.beta,
         exact_entropy=cfg.exact_entropy,
         max_budget=max_budget(cfg.stream_len, ratio=cfg.ratio, min_budget=cfg.min_budget),
-        scores_fn=ROWS[cfg.decisions].scores,
+        scores_fn=scaled(ROWS[cfg.decisions].scores, cfg.score_scale),
     )
     (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, d, adv)
     updates, opt_state = make_optimizer(cfg).update(grads, state.opt_state, state.params)
