@@ -94,9 +94,7 @@ def report(runs: dict, doc: dict) -> str:
     ratios = sorted({r for v in kl.values() for r in v}, reverse=True)
     learned = {estimator_of(label): label for label in kl if estimator_of(label)}
     heuristics = [label for label in kl if not estimator_of(label)]
-    best = {
-        r: min(heuristics, key=lambda h: next(iter(kl[h][r].values()))) for r in ratios
-    }
+    best = {r: min(heuristics, key=lambda h: next(iter(kl[h][r].values()))) for r in ratios}
     best_kl = {r: next(iter(kl[best[r]][r].values())) for r in ratios}
     cfg = doc["config"]
     lines = [
@@ -109,7 +107,8 @@ def report(runs: dict, doc: dict) -> str:
         "decode-protocol fidelity run of all of them beside the heuristics. Text: "
         f"`{cfg['text'] or 'tinyshakespeare'}`, its last {cfg['heldout']:.0%} (never trained "
         f"on), {cfg['windows']} windows of {cfg['prompt_len']} + "
-        f"{cfg['window'] - cfg['prompt_len']} tokens, granularity {cfg['granularity']}, "
+        f"{cfg['window'] - cfg['prompt_len']} tokens, granularity "
+        f"{cfg.get('granularity', 'shared')}, "
         f"B_min {cfg['min_budget']}. The ablation chooses nothing. Estimators "
         "(`jaxkv.rl.plackett_luce`): `paper` scores a Gumbel-top-B sample with the subset "
         "log-probability log π (biased), `exact` draws an exact sample from π through the DP, "
