@@ -309,6 +309,16 @@ def test_data_parallel_rollouts_over_8_devices_equal_single_device():
 
 # ---- per-head decisions (decisions: head): a ranker trained by REINFORCE ----------------------
 HEAD = {**TINY, "decisions": "head", "hidden": 8}
+HEAD_TOKENS = jax.random.randint(
+    jax.random.key(2), (TINY["prompt_len"] + TINY["decode_steps"],), 0, 256
+)
+
+
+def _head_step(params, **settings):
+    """One per-head training step from (numpy) ``params``: (new state, metrics)."""
+    cfg = TrainConfig(**{**HEAD, **settings})
+    keys = jax.random.split(jax.random.key(3), 4)
+    return train_step(LM, init_state(cfg, params), HEAD_TOKENS, keys, cfg=cfg, config=LM_CFG)
 
 
 def test_row_decisions_are_independent_draws_and_one_row_is_the_shared_draw():
@@ -378,17 +388,8 @@ def test_a_per_head_step_trains_the_ranker_mlp_and_keeps_its_standardization():
     params = jax.tree.map(np.asarray, params)  # the step donates its state's arrays
     state = init_state(cfg, params)
     before = jax.tree.map(lambda x: (x.shape, x.dtype), state)
-    tokens = jax.random.randint(jax.random.key(2), (cfg.stream_len,), 0, 256)
     for est in ("paper", "exact", "ordered_pl"):
-        cfg = TrainConfig(**{**HEAD, "estimator": est})
-        new, m = train_step(
-            LM,
-            init_state(cfg, params),
-            tokens,
-            jax.random.split(jax.random.key(3), 4),
-            cfg=cfg,
-            config=LM_CFG,
-        )
+        new, m = _head_step(params, estimator=est)
         assert all(np.isfinite(float(v)) for v in m.values()) and m["entropy"] > 0
         assert jax.tree.map(lambda x: (x.shape, x.dtype), new) == before
         for k in ("mean", "scale"):
@@ -445,21 +446,8 @@ def test_a_run_saved_before_a_setting_existed_resumes(tmp_path):
 
 
 def test_a_score_scale_sharpens_the_rollouts_and_must_be_positive():
-    cfg1 = TrainConfig(**HEAD)
-    params = jax.tree.map(np.asarray, init_policy(cfg1))
-    tokens = jax.random.randint(jax.random.key(2), (cfg1.stream_len,), 0, 256)
-    entropy = {}
-    for scale in (1.0, 8.0):
-        cfg = TrainConfig(**{**HEAD, "score_scale": scale})
-        _, m = train_step(
-            LM,
-            init_state(cfg, params),
-            tokens,
-            jax.random.split(jax.random.key(3), 4),
-            cfg=cfg,
-            config=LM_CFG,
-        )
-        entropy[scale] = float(m["entropy"])
+    params = jax.tree.map(np.asarray, init_policy(TrainConfig(**HEAD)))
+    entropy = {s: float(_head_step(params, score_scale=s)[1]["entropy"]) for s in (1.0, 8.0)}
     assert 0 < entropy[8.0] < entropy[1.0]
     with pytest.raises(ValueError, match="score_scale > 0"):
         TrainConfig(score_scale=0.0)
