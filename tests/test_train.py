@@ -115,13 +115,13 @@ def test_policy_learns_to_keep_the_sink_and_the_needle(estimator):
             lambda sc, k: decide(sc, jnp.ones(L, bool), B, key=k, estimator=estimator, max_budget=B)
         )(s, keys)
         reward = (sel[:, 0] & sel[jnp.arange(K), needle]).astype(jnp.float32)
-        d = Decisions(
-            f[:, None],
-            valid[:, None],
-            sel[:, None],
-            order[:, None],
+        d = Decisions(  # one step, one row (the shared policy's)
+            f[:, None, None],
+            valid[:, None, None],
+            sel[:, None, None],
+            order[:, None, None],
             jnp.full((K, 1), B),
-            jnp.ones((K, 1), bool),
+            jnp.ones((K, 1, 1), bool),
             reward[:, None],
         )
         adv = rloo_advantages(reward[:, None])
