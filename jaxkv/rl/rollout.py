@@ -52,7 +52,7 @@ def _shared_features(cache):
 def _head_features(cache):
     L, _, K, C = cache.pos.shape
     feats = ranker_lib.head_features(cache, names=ranker_lib.DEFAULT_FEATURES)[:, 0]
-    return feats.reshape(L * K, C, -1), (cache.pos[:, 0] >= 0).reshape(L * K, C)
+    return feats.reshape(L * K, C, -1), cache.valid[:, 0].reshape(L * K, C)
 
 
 def _head_scores(params, feats, valid):
@@ -95,12 +95,15 @@ def kl_rows(logp_p, logp_q):
     return jnp.sum(jnp.exp(logp_p) * (logp_p - logp_q), axis=-1)
 
 
-def scaled(scores_fn, scale: float):
-    """``scores_fn`` times ``scale`` (the sampling temperature's inverse); the function itself
-    when ``scale`` is 1, so that default runs compute what they always have."""
-    if scale == 1.0:
-        return scores_fn
-    return lambda params, feats, valid: scale * scores_fn(params, feats, valid)
+def rows_for(decisions: str, score_scale: float = 1.0) -> Rows:
+    """``ROWS[decisions]`` with its scores times ``score_scale`` (the sampling temperature's
+    inverse); the rows themselves when the scale is 1, so default runs compute what they
+    always have."""
+    rows = ROWS[decisions]
+    if score_scale == 1.0:
+        return rows
+    score = rows.scores
+    return dataclasses.replace(rows, scores=lambda p, f, v: score_scale * score(p, f, v))
 
 
 def max_budget(n_tokens: int, *, ratio: float, min_budget: int) -> int:
@@ -120,13 +123,11 @@ def student_rollout(
     ratio: float,
     min_budget: int,
     estimator: str,
-    decisions: str = "shared",
-    score_scale: float = 1.0,
+    rows: Rows = ROWS["shared"],
 ) -> Decisions:
     """One student rollout; fields of the result have a leading step axis S = T - P and a
     row axis R after it (``Rows``)."""
     T = tokens_T.shape[0]
-    rows = ROWS[decisions]
     cache = kvcache.init_cache(config, batch_size=1, capacity=T, stats=rows.stats)
     _, cache = decoder.prefill(lm_params, tokens_T[None, :prompt_len], cache, config=config)
 
@@ -134,7 +135,7 @@ def student_rollout(
         i, token, teacher_logp = xs
         feats, valid = rows.features(cache)
         budget = jnp.maximum(jnp.floor(ratio * cache.length[0]).astype(jnp.int32), min_budget)
-        scores = scaled(rows.scores, score_scale)(policy_params, feats, valid)
+        scores = rows.scores(policy_params, feats, valid)
         selected, order = decide_rows(
             scores,
             valid,

@@ -12,7 +12,7 @@ from flax import struct
 from jaxkv.config import ModelConfig
 from jaxkv.rl.config import TrainConfig
 from jaxkv.rl.objectives import discounted_returns, reinforce_loss, rloo_advantages
-from jaxkv.rl.rollout import FROZEN, ROWS, max_budget, rollouts, scaled
+from jaxkv.rl.rollout import FROZEN, max_budget, rollouts, rows_for
 
 
 @struct.dataclass
@@ -79,6 +79,7 @@ def train_step(
     Returns:
         The new state and a dict of scalar metrics.
     """
+    rows = rows_for(cfg.decisions, cfg.score_scale)
     d = rollouts(
         lm_params,
         state.params,
@@ -89,8 +90,7 @@ def train_step(
         ratio=cfg.ratio,
         min_budget=cfg.min_budget,
         estimator=cfg.estimator,
-        decisions=cfg.decisions,
-        score_scale=cfg.score_scale,
+        rows=rows,
     )
     returns = discounted_returns(d.reward, cfg.gamma)
     adv, ema = advantages(returns, state.ema_return, decay=cfg.ema_decay)
@@ -100,7 +100,7 @@ def train_step(
         beta=cfg.beta,
         exact_entropy=cfg.exact_entropy,
         max_budget=max_budget(cfg.stream_len, ratio=cfg.ratio, min_budget=cfg.min_budget),
-        scores_fn=scaled(ROWS[cfg.decisions].scores, cfg.score_scale),
+        scores_fn=rows.scores,
     )
     (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, d, adv)
     updates, opt_state = make_optimizer(cfg).update(grads, state.opt_state, state.params)
