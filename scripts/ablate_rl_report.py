@@ -1,14 +1,15 @@
-"""The estimator ablation's report (``scripts/ablate_rl.sh``): README.md and curves.png.
+"""An ablation's report (``scripts/ablate_rl.sh``, ``scripts/ablate_training.sh``): README.md
+and curves.png.
 
-Reads the training runs ``WORK/<estimator>_s<seed>/metrics.jsonl`` and the fidelity run
-``OUT/fidelity.json`` (one ``learned:WORK/<estimator>_s*/policy`` group per estimator, beside
-the heuristics), and writes into OUT:
+Reads the REINFORCE runs ``WORK/<arm>_s<seed>/metrics.jsonl`` and the fidelity run
+``OUT/fidelity.json`` (one seed group per arm, ``learned:WORK/<arm>_s*/policy`` or
+``ranker:WORK/<arm>_s*[/policy]``, beside the heuristics), and writes into OUT:
 
-* ``curves.png``: training KL and policy entropy per step, each estimator's mean over its seeds
+* ``curves.png``: training KL and policy entropy per step, each arm's mean over its seeds
   (a moving average of 10 steps), the seeds' range shaded;
-* ``README.md``: held-out KL per estimator and seed, mean ± std over seeds (sample std), each
+* ``README.md``: held-out KL per arm and seed, mean ± std over seeds (sample std), each
   seed's ratio to the best heuristic at that ratio, and the paired differences between
-  estimators (same seed, same windows).
+  arms (same seed, same windows).
 
     .venv/bin/python scripts/ablate_rl_report.py runs/ablate_rl results/rl_ablation
 """
@@ -23,12 +24,28 @@ from pathlib import Path
 
 import numpy as np
 
-ESTIMATORS = ("paper", "exact", "ordered_pl")
 SMOOTH = 10
+ARMS = {  # what each arm is, for the report
+    "paper": "the DistillCache policy of `configs/distillcache_cpu.yaml` (the paper's 5 "
+    "features, one decision shared by all heads, RLOO over 4 rollouts) trained with the "
+    "`paper` estimator: a Gumbel-top-B sample scored with the subset log-probability log π "
+    "(biased)",
+    "exact": "the same policy trained with `exact`: an exact sample from π drawn through the DP",
+    "ordered_pl": "the same policy trained with `ordered_pl`: the Gumbel-top-B draw scored with "
+    "its ordered log-probability",
+    "supervised": "the shipped ranker's recipe (`python -m jaxkv.train ranker "
+    "--windows-per-domain 12 --steps 1500 --target value --seed S`; ListNet on the full cache's "
+    "future attention × value norm, four training domains, no RL)",
+    "rl": "REINFORCE per (layer, KV head) from a fresh ranker of the same size "
+    "(`configs/distillcache_head_cpu.yaml`, `warm_start=''`, `hidden=32`; its feature "
+    "standardization stays the identity)",
+    "warm_rl": "REINFORCE per (layer, KV head) warm-started from the same seed's `supervised` "
+    "ranker (`configs/distillcache_head_cpu.yaml`, `warm_start=<supervised_sS>`)",
+}
 
 
 def read_runs(work: Path) -> dict[str, dict[int, list[dict]]]:
-    """{estimator: {seed: metric rows}} of the finished training runs."""
+    """{arm: {seed: metric rows}} of the REINFORCE runs."""
     runs: dict[str, dict[int, list[dict]]] = {}
     for path in sorted(work.glob("*_s*/metrics.jsonl")):
         est, seed = re.fullmatch(r"(.+)_s(\d+)", path.parent.name).groups()
@@ -48,11 +65,11 @@ def per_seed_kl(doc: dict) -> dict[str, dict[float, dict[str, float]]]:
 
 
 def seed_of(member: str) -> int:
-    return int(re.search(r"_s(\d+)/policy", member).group(1))
+    return int(re.search(r"_s(\d+)(/policy)?$", member).group(1))
 
 
-def estimator_of(label: str) -> str | None:
-    m = re.search(r"/([a-z_]+)_s\*/policy$", label)
+def arm_of(label: str) -> str | None:
+    m = re.search(r"/([a-z_]+)_s\*(/policy)?$", label)
     return m.group(1) if m else None
 
 
@@ -61,7 +78,7 @@ def mean_std(xs: list[float]) -> str:
     return f"{statistics.mean(xs):.4f} ± {sd:.4f}"
 
 
-def plot(runs: dict, path: Path) -> None:
+def plot(runs: dict, arms: list[str], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -69,7 +86,7 @@ def plot(runs: dict, path: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
     for ax, key in zip(axes, ("kl", "entropy"), strict=True):
-        for est in ESTIMATORS:
+        for est in arms:
             if est not in runs:
                 continue
             n = min(len(r) for r in runs[est].values())
@@ -89,40 +106,37 @@ def plot(runs: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def report(runs: dict, doc: dict) -> str:
+def report(runs: dict, doc: dict, arms: list[str], title: str, script: str) -> str:
     kl = per_seed_kl(doc)
     ratios = sorted({r for v in kl.values() for r in v}, reverse=True)
-    learned = {estimator_of(label): label for label in kl if estimator_of(label)}
-    heuristics = [label for label in kl if not estimator_of(label)]
+    learned = {arm_of(label): label for label in kl if arm_of(label)}
+    heuristics = [label for label in kl if not arm_of(label)]
     best = {r: min(heuristics, key=lambda h: next(iter(kl[h][r].values()))) for r in ratios}
     best_kl = {r: next(iter(kl[best[r]][r].values())) for r in ratios}
     cfg = doc["config"]
     lines = [
-        "# REINFORCE estimator ablation (issue 14, deliverable 5)",
+        f"# {title} (issue 14, deliverable 5)",
         "",
-        "`bash scripts/ablate_rl.sh`: the DistillCache policy of `configs/distillcache_cpu.yaml` "
-        "(the paper's 5 features, one decision shared by all heads, RLOO over 4 rollouts) "
-        "trained with each estimator for the same number of steps and seeds 0, 1, 2 (the seed "
-        "sets the initialisation, the training windows and the rollouts' keys); then one "
+        f"`bash {script}`: each arm trained with seeds 0, 1, 2 (the seed sets the "
+        "initialisation, the training windows and the rollouts' keys); then one "
         "decode-protocol fidelity run of all of them beside the heuristics. Text: "
         f"`{cfg['text'] or 'tinyshakespeare'}`, its last {cfg['heldout']:.0%} (never trained "
         f"on), {cfg['windows']} windows of {cfg['prompt_len']} + "
         f"{cfg['window'] - cfg['prompt_len']} tokens, granularity "
         f"{cfg.get('granularity', 'shared')}, "
-        f"B_min {cfg['min_budget']}. The ablation chooses nothing. Estimators "
-        "(`jaxkv.rl.plackett_luce`): `paper` scores a Gumbel-top-B sample with the subset "
-        "log-probability log π (biased), `exact` draws an exact sample from π through the DP, "
-        "`ordered_pl` scores the Gumbel-top-B draw with its ordered log-probability.",
+        f"B_min {cfg['min_budget']}. The ablation chooses nothing.",
+        "",
+        *[f"* `{arm}`: {ARMS[arm]}." for arm in arms],
         "",
         "## Held-out KL per seed (nats per token; lower is better)",
         "",
-        "| estimator | "
+        "| arm | "
         + " | ".join(f"r = {r}: seeds 0 / 1 / 2 | mean ± std | / best heuristic" for r in ratios)
         + " |",
         "|---|" + "---|---|---|" * len(ratios),
     ]
     seeds_kl: dict[str, dict[float, dict[int, float]]] = {}
-    for est in ESTIMATORS:
+    for est in arms:
         if est not in learned:
             continue
         cells = []
@@ -148,7 +162,7 @@ def report(runs: dict, doc: dict) -> str:
         "| pair | " + " | ".join(f"r = {r}: per seed | mean ± std" for r in ratios) + " |",
         "|---|" + "---|---|" * len(ratios),
     ]
-    done = [e for e in ESTIMATORS if e in seeds_kl]
+    done = [e for e in arms if e in seeds_kl]
     for i, a in enumerate(done):
         for b in done[i + 1 :]:
             cells = []
@@ -163,11 +177,11 @@ def report(runs: dict, doc: dict) -> str:
         "",
         "![training curves](curves.png)",
         "",
-        "| estimator | seed | steps | training KL, mean of the last 50 steps | entropy, last 50 | "
+        "| arm | seed | steps | training KL, mean of the last 50 steps | entropy, last 50 | "
         "minutes |",
         "|---|---|---|---|---|---|",
     ]
-    for est in ESTIMATORS:
+    for est in arms:
         for seed, rows in sorted(runs.get(est, {}).items()):
             tail = rows[-50:]
             lines.append(
@@ -181,13 +195,19 @@ def report(runs: dict, doc: dict) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("work", type=Path, help="the training runs (WORK of ablate_rl.sh)")
-    p.add_argument("out", type=Path, help="the fidelity run (OUT of ablate_rl.sh)")
+    p.add_argument("work", type=Path, help="the training runs (WORK of the ablation script)")
+    p.add_argument("out", type=Path, help="the fidelity run (OUT of the ablation script)")
+    p.add_argument("--arms", default="paper,exact,ordered_pl", help=f"comma list from {list(ARMS)}")
+    p.add_argument("--title", default="REINFORCE estimator ablation")
+    p.add_argument("--script", default="scripts/ablate_rl.sh", help="the ablation's command")
     args = p.parse_args()
+    arms = args.arms.split(",")
+    if unknown := sorted(set(arms) - set(ARMS)):
+        p.error(f"unknown arms {unknown}; choose from {list(ARMS)}")
     runs = read_runs(args.work)
     doc = json.loads((args.out / "fidelity.json").read_text())
-    plot(runs, args.out / "curves.png")
-    (args.out / "README.md").write_text(report(runs, doc))
+    plot(runs, arms, args.out / "curves.png")
+    (args.out / "README.md").write_text(report(runs, doc, arms, args.title, args.script))
     print(f"wrote {args.out / 'README.md'} and {args.out / 'curves.png'}")
 
 

@@ -79,18 +79,21 @@ def test_learned_names_resolve_from_any_working_directory(tmp_path, monkeypatch)
         assert group.members[0].name == f"learned:{SHIPPED}"
 
 
-def test_learned_globs_and_seed_lists_are_relative_to_the_working_directory(tmp_path, monkeypatch):
+@pytest.mark.parametrize("kind", ["learned", "ranker"])
+def test_seed_globs_and_lists_are_relative_to_the_working_directory(kind, tmp_path, monkeypatch):
+    shipped = SHIPPED if kind == "learned" else SHIPPED.parent / "ranker_smollm2_cpu"
     (tmp_path / "runs").mkdir()
     for name in ("seed0", "seed1"):
-        (tmp_path / "runs" / name).symlink_to(SHIPPED, target_is_directory=True)
+        (tmp_path / "runs" / name).symlink_to(shipped, target_is_directory=True)
     monkeypatch.chdir(tmp_path)
     for spec in ("runs/seed*", "runs/seed0+runs/seed1"):
-        (group,) = runner.parse_policies(f"learned:{spec}")
-        assert group.label == f"learned:{spec}" and len(group.members) == 2
-    groups = runner.parse_policies("learned:runs/seed*,learned:runs/seed0+runs/seed1")
+        (group,) = runner.parse_policies(f"{kind}:{spec}")
+        assert group.label == f"{kind}:{spec}" and len(group.members) == 2
+        assert [p.name for p in group.members] == [f"{kind}:runs/seed0", f"{kind}:runs/seed1"]
+    groups = runner.parse_policies(f"{kind}:runs/seed*,{kind}:runs/seed0+runs/seed1")
     assert [len(g.members) for g in groups] == [2, 2]  # two seed groups in one run
     with pytest.raises(ValueError, match="'nothing/seed\\*' matches no checkpoint"):
-        runner.parse_policies("learned:nothing/seed*")
+        runner.parse_policies(f"{kind}:nothing/seed*")
 
 
 def test_runs_without_out_go_to_a_fresh_run_folder(tmp_path, monkeypatch, capsys):

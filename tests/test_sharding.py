@@ -46,9 +46,8 @@ SCRIPT = textwrap.dedent(
 
 @pytest.mark.slow
 def test_forward_sharded_over_8_cpu_devices_equals_unsharded():
-    env = dict(
-        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu"
-    )
+    flags = f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count=8"
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
     res = subprocess.run(
         [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600
     )

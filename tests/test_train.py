@@ -297,9 +297,8 @@ DP_SCRIPT = textwrap.dedent(
 
 @pytest.mark.slow
 def test_data_parallel_rollouts_over_8_devices_equal_single_device():
-    env = dict(
-        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu"
-    )
+    flags = f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count=8"
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
     res = subprocess.run(
         [sys.executable, "-c", DP_SCRIPT], env=env, capture_output=True, text=True, timeout=900
     )

