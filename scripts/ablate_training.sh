@@ -20,13 +20,15 @@ work=${WORK:-runs/ablate_training}
 out=${OUT:-results/training_ablation}
 rl=(--config configs/distillcache_head_cpu.yaml)
 for seed in 0 1 2; do
-  sup=$work/supervised_s$seed
-  [[ -f $sup/ranker.json ]] || "$py" -m jaxkv.train ranker --windows-per-domain 12 \
-    --steps 1500 --target value --seed "$seed" --out "$sup"
+  [[ -f $work/supervised_s$seed/ranker.json ]] || "$py" -m jaxkv.train ranker \
+    --windows-per-domain 12 --steps 1500 --target value --seed "$seed" \
+    --out "$work/supervised_s$seed"
+done
+for seed in 0 1 2; do
   [[ -f $work/rl_s$seed/policy/ranker.json ]] || "$py" -m jaxkv.train distillcache "${rl[@]}" \
     --workdir "$work/rl_s$seed" "warm_start=''" hidden=32 "seed=$seed"
   [[ -f $work/warm_rl_s$seed/policy/ranker.json ]] || "$py" -m jaxkv.train distillcache \
-    "${rl[@]}" --workdir "$work/warm_rl_s$seed" "warm_start=$sup" "seed=$seed"
+    "${rl[@]}" --workdir "$work/warm_rl_s$seed" "warm_start=$work/supervised_s$seed" "seed=$seed"
 done
 groups="ranker:$work/supervised_s*,ranker:$work/rl_s*/policy,ranker:$work/warm_rl_s*/policy"
 evaluate fidelity "$out" --ratios 0.25,0.125 --limit 8 --window 384 --prompt-len 256 \

@@ -132,7 +132,8 @@ def _common(parser: argparse.ArgumentParser, *, ratios: str, policies: str, limi
         "blend with kvzip's; fidelity --protocol prefill only), ranker:<checkpoint> "
         "(the supervised per-head ranker: python -m jaxkv.train ranker), learned:<checkpoint> "
         "(a folder, or a checkpoint shipped in jaxkv/checkpoints/: "
-        "learned:distillcache_smollm2_cpu; several checkpoints as seeds: learned:a+b or a glob)",
+        "learned:distillcache_smollm2_cpu); several checkpoints as the seeds of one row: "
+        "learned:a+b, ranker:a+b or a glob",
     )
     parser.add_argument("--ratios", default=ratios, help="budget ratios r in (0, 1], comma list")
     parser.add_argument(
