@@ -237,8 +237,8 @@ def parse_policies(text: str) -> list[PolicyGroup]:
     labelled with the spec as given (so several seed groups can be compared in one run).
 
     Raises:
-        ValueError: unknown policy (listing the valid ones), a learned pattern matching nothing,
-            or a learned checkpoint that cannot be loaded (with the reason).
+        ValueError: unknown policy (listing the valid ones), a learned or ranker pattern
+            matching nothing, or a checkpoint that cannot be loaded (with the reason).
     """
     groups = []
     for item in parse_list(text, kind=str, what="--policies"):
