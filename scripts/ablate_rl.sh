@@ -24,7 +24,5 @@ for est in paper exact ordered_pl; do
   done
   groups+=("learned:$work/${est}_s*/policy")
 done
-evaluate fidelity "$out" --ratios 0.25,0.125 --limit 8 --window 384 --prompt-len 256 \
-  --protocol decode --granularity shared \
-  --policies "$(IFS=,; echo "${groups[*]}"),streaming_llm,h2o,tova"
+prose_tail_check "$out" shared "$(IFS=,; echo "${groups[*]}"),streaming_llm,h2o,tova"
 "$py" scripts/ablate_rl_report.py "$work" "$out"

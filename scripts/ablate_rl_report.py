@@ -48,9 +48,9 @@ def read_runs(work: Path) -> dict[str, dict[int, list[dict]]]:
     """{arm: {seed: metric rows}} of the REINFORCE runs."""
     runs: dict[str, dict[int, list[dict]]] = {}
     for path in sorted(work.glob("*_s*/metrics.jsonl")):
-        est, seed = re.fullmatch(r"(.+)_s(\d+)", path.parent.name).groups()
+        arm, seed = re.fullmatch(r"(.+)_s(\d+)", path.parent.name).groups()
         rows = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
-        runs.setdefault(est, {})[int(seed)] = rows
+        runs.setdefault(arm, {})[int(seed)] = rows
     return runs
 
 
@@ -86,15 +86,15 @@ def plot(runs: dict, arms: list[str], path: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
     for ax, key in zip(axes, ("kl", "entropy"), strict=True):
-        for est in arms:
-            if est not in runs:
+        for arm in arms:
+            if arm not in runs:
                 continue
-            n = min(len(r) for r in runs[est].values())
-            ys = np.array([[row[key] for row in r[:n]] for r in runs[est].values()])
+            n = min(len(r) for r in runs[arm].values())
+            ys = np.array([[row[key] for row in r[:n]] for r in runs[arm].values()])
             kernel = np.ones(SMOOTH) / SMOOTH
             smooth = np.array([np.convolve(y, kernel, mode="valid") for y in ys])
             steps = np.arange(SMOOTH - 1, n)
-            ax.plot(steps, smooth.mean(0), label=f"{est} ({len(ys)} seeds)")
+            ax.plot(steps, smooth.mean(0), label=f"{arm} ({len(ys)} seeds)")
             ax.fill_between(steps, smooth.min(0), smooth.max(0), alpha=0.2)
         ax.set_xlabel("training step")
         ax.set_title(
@@ -136,17 +136,17 @@ def report(runs: dict, doc: dict, arms: list[str], title: str, script: str) -> s
         "|---|" + "---|---|---|" * len(ratios),
     ]
     seeds_kl: dict[str, dict[float, dict[int, float]]] = {}
-    for est in arms:
-        if est not in learned:
+    for arm in arms:
+        if arm not in learned:
             continue
         cells = []
         for r in ratios:
-            by_seed = {seed_of(m): v for m, v in kl[learned[est]][r].items()}
-            seeds_kl.setdefault(est, {})[r] = by_seed
+            by_seed = {seed_of(m): v for m, v in kl[learned[arm]][r].items()}
+            seeds_kl.setdefault(arm, {})[r] = by_seed
             xs = [by_seed[s] for s in sorted(by_seed)]
             rel = " / ".join(f"{x / best_kl[r]:.2f}" for x in xs)
             cells += [" / ".join(f"{x:.4f}" for x in xs), mean_std(xs), rel]
-        lines.append(f"| `{est}` | " + " | ".join(cells) + " |")
+        lines.append(f"| `{arm}` | " + " | ".join(cells) + " |")
     for h in heuristics:
         cells = []
         for r in ratios:
@@ -181,11 +181,11 @@ def report(runs: dict, doc: dict, arms: list[str], title: str, script: str) -> s
         "minutes |",
         "|---|---|---|---|---|---|",
     ]
-    for est in arms:
-        for seed, rows in sorted(runs.get(est, {}).items()):
+    for arm in arms:
+        for seed, rows in sorted(runs.get(arm, {}).items()):
             tail = rows[-50:]
             lines.append(
-                f"| `{est}` | {seed} | {len(rows)} | "
+                f"| `{arm}` | {seed} | {len(rows)} | "
                 f"{np.mean([r['kl'] for r in tail]):.3f} | "
                 f"{np.mean([r['entropy'] for r in tail]):.2f} | "
                 f"{sum(r['seconds'] for r in rows) / 60:.1f} |"

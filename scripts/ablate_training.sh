@@ -31,7 +31,6 @@ for seed in 0 1 2; do
     "${rl[@]}" --workdir "$work/warm_rl_s$seed" "warm_start=$work/supervised_s$seed" "seed=$seed"
 done
 groups="ranker:$work/supervised_s*,ranker:$work/rl_s*/policy,ranker:$work/warm_rl_s*/policy"
-evaluate fidelity "$out" --ratios 0.25,0.125 --limit 8 --window 384 --prompt-len 256 \
-  --protocol decode --granularity head --policies "$groups,critical:h2o,h2o,tova,streaming_llm"
+prose_tail_check "$out" head "$groups,critical:h2o,h2o,tova,streaming_llm"
 "$py" scripts/ablate_rl_report.py "$work" "$out" --arms supervised,rl,warm_rl \
   --title "Training ablation per (layer, KV head)" --script scripts/ablate_training.sh

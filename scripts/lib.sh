@@ -20,6 +20,13 @@ evaluate() {  # KIND DIR FLAGS...: python -m jaxkv.eval KIND FLAGS --out DIR, un
   "$py" -m jaxkv.eval "$kind" "$@" --out "$dir"
 }
 
+prose_tail_check() {  # OUT GRANULARITY POLICIES: decode-protocol fidelity at r = 0.25 and
+  # 0.125 on 8 windows (256 + 128 tokens) of tinyshakespeare's last 10 %, into OUT: the
+  # ablations' evaluation (ablate_rl.sh, ablate_training.sh).
+  evaluate fidelity "$1" --ratios 0.25,0.125 --limit 8 --window 384 --prompt-len 256 \
+    --protocol decode --granularity "$2" --policies "$3"
+}
+
 domain_check() {  # OUT POLICIES: decode-protocol fidelity, global granularity, r = 0.25 and
   # 0.125, on 4 windows of each training domain's text (runs/retrieval_attended/<domain>.txt,
   # written once) into OUT/check_<domain>: the tier protocols' training-domain check.

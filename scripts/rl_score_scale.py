@@ -41,8 +41,7 @@ def main() -> None:
         window = stream_for_step(corpora, step=step, seed=0, length=128)
         cache = kvcache.init_cache(config, batch_size=1, capacity=128, stats=ranker_lib.STATS)
         _, cache = decoder.prefill(params, jnp.asarray(window[None, :97]), cache, config=config)
-        feats = ranker_lib.head_features(cache, names=names)[:, 0]
-        scores = ranker_lib.scores_from_features(weights, feats, cache.pos[:, 0] >= 0)
+        scores = ranker_lib.head_scores(weights, cache, names=names)  # [L, 1, K, C]
         top = np.sort(np.asarray(scores).reshape(-1, 128)[:, :97], axis=1)[:, -25:]
         for s in SCALES:
             drop = np.asarray(jax.nn.softmax(-s * top, axis=1))  # P(drop i) ∝ exp(−s·score_i)
