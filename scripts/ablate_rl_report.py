@@ -1,12 +1,12 @@
-"""An ablation's report (``scripts/ablate_rl.sh``, ``scripts/ablate_training.sh``): README.md
-and curves.png.
+"""An ablation's report (``scripts/ablate_rl.sh``, ``ablate_training.sh``, ``ablate_features.sh``):
+README.md and curves.png.
 
 Reads the REINFORCE runs ``WORK/<arm>_s<seed>/metrics.jsonl`` and the fidelity run
 ``OUT/fidelity.json`` (one seed group per arm, ``learned:WORK/<arm>_s*/policy`` or
 ``ranker:WORK/<arm>_s*[/policy]``, beside the heuristics), and writes into OUT:
 
-* ``curves.png``: training KL and policy entropy per step, each arm's mean over its seeds
-  (a moving average of 10 steps), the seeds' range shaded;
+* ``curves.png`` (when some arm trained with REINFORCE): training KL and policy entropy per
+  step, each arm's mean over its seeds (a moving average of 10 steps), the seeds' range shaded;
 * ``README.md``: held-out KL per arm and seed, mean ± std over seeds (sample std), each
   seed's ratio to the best heuristic at that ratio, and the paired differences between
   arms (same seed, same windows).
@@ -41,6 +41,10 @@ ARMS = {  # what each arm is, for the report
     "standardization stays the identity)",
     "warm_rl": "REINFORCE per (layer, KV head) warm-started from the same seed's `supervised` "
     "ranker (`configs/distillcache_head_cpu.yaml`, `warm_start=<supervised_sS>`)",
+    "paper5": "the `supervised` recipe reading the paper's 5 features per head (`--features "
+    "log_attn,log_vnorm,log_attn_var,entropy,pos_frac`)",
+    "all14": "the `supervised` recipe reading all 14 features that need no reconstruction pass "
+    "(the default 13 + `log_wo_vnorm`, ‖W_o v‖ of the model's output projection)",
 }
 
 
@@ -69,7 +73,7 @@ def seed_of(member: str) -> int:
 
 
 def arm_of(label: str) -> str | None:
-    m = re.search(r"/([a-z_]+)_s\*(/policy)?$", label)
+    m = re.search(r"/([a-z0-9_]+)_s\*(/policy)?$", label)
     return m.group(1) if m else None
 
 
@@ -118,7 +122,7 @@ def report(runs: dict, doc: dict, arms: list[str], title: str, script: str) -> s
         f"# {title} (issue 14, deliverable 5)",
         "",
         f"`bash {script}`: each arm trained with seeds 0, 1, 2 (the seed sets the "
-        "initialisation, the training windows and the rollouts' keys); then one "
+        "initialisation, the training windows and, in REINFORCE, the rollouts' keys); then one "
         "decode-protocol fidelity run of all of them beside the heuristics. Text: "
         f"`{cfg['text'] or 'tinyshakespeare'}`, its last {cfg['heldout']:.0%} (never trained "
         f"on), {cfg['windows']} windows of {cfg['prompt_len']} + "
@@ -171,6 +175,8 @@ def report(runs: dict, doc: dict, arms: list[str], title: str, script: str) -> s
                 d = [seeds_kl[a][r][s] - seeds_kl[b][r][s] for s in common]
                 cells += [" / ".join(f"{x:+.4f}" for x in d), mean_std(d)]
             lines.append(f"| `{a}` − `{b}` | " + " | ".join(cells) + " |")
+    if not any(arm in runs for arm in arms):  # supervised fits only: no REINFORCE curves
+        return "\n".join(lines) + "\n"
     lines += [
         "",
         "## Training",
@@ -206,9 +212,10 @@ def main() -> None:
         p.error(f"unknown arms {unknown}; choose from {list(ARMS)}")
     runs = read_runs(args.work)
     doc = json.loads((args.out / "fidelity.json").read_text())
-    plot(runs, arms, args.out / "curves.png")
+    if any(arm in runs for arm in arms):
+        plot(runs, arms, args.out / "curves.png")
     (args.out / "README.md").write_text(report(runs, doc, arms, args.title, args.script))
-    print(f"wrote {args.out / 'README.md'} and {args.out / 'curves.png'}")
+    print(f"wrote {args.out / 'README.md'}")
 
 
 if __name__ == "__main__":
