@@ -1,44 +1,43 @@
 """The decisions ablation's report (``scripts/ablate_decisions.sh``): OUT/README.md.
 
-Reads ``OUT/<granularity>/fidelity.json`` for each granularity run (one ranker seed group
-beside the heuristics) and writes one table: KL per policy and granularity, the rankers' mean ±
-std over seeds and their ratio to the best heuristic at the same granularity, and the paired
-differences between granularities (same seed, same windows).
+Reads fidelity runs that differ only in their granularity (each the same ranker seed group
+beside the same heuristics) and writes one table: KL per policy and granularity, the rankers'
+mean ± std over seeds and their ratio to the best heuristic at the same granularity, and the
+paired differences between granularities (same seed, same windows).
 
-    .venv/bin/python scripts/ablate_decisions_report.py results/decision_ablation
+    .venv/bin/python scripts/ablate_decisions_report.py results/decision_ablation \
+        results/decision_ablation/shared/fidelity.json results/training_ablation/fidelity.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 
-GRANULARITIES = ("shared", "layer", "head")
+from ablate_rl_report import mean_std, per_seed_kl, settings
+
+GRANULARITIES = {  # what the ranker's decision is at each granularity (jaxkv.policies.ranker)
+    "shared": "once for the whole model (its scores averaged over every row)",
+    "layer": "once per layer (averaged over the layer's KV heads)",
+    "head": "per (layer, KV head) row (each row keeps its own top B)",
+}
 
 
-def mean_std(xs: list[float]) -> str:
-    sd = statistics.stdev(xs) if len(xs) > 1 else 0.0
-    return f"{statistics.mean(xs):.4f} ± {sd:.4f}"
-
-
-def read(out: Path) -> dict[str, dict[str, dict[float, dict[str, float]]]]:
-    """{granularity: {policy label: {ratio: {member: KL}}}} of the finished runs."""
-    kl: dict[str, dict[str, dict[float, dict[str, float]]]] = {}
-    for g in GRANULARITIES:
-        path = out / g / "fidelity.json"
-        if not path.is_file():
-            continue
-        for rec in json.loads(path.read_text())["records"]:
-            cell = kl.setdefault(g, {}).setdefault(rec["policy"], {}).setdefault(rec["ratio"], {})
-            cell[rec["member"]] = rec["kl_mean"]
-    return kl
+def read(paths: list[Path]) -> tuple[dict, dict]:
+    """({granularity: {policy label: {ratio: {member: KL}}}}, the first run's config); exits
+    if the runs differ in more than their granularity and policies."""
+    docs = [json.loads(path.read_text()) for path in paths]
+    ignore = ("policies", "granularity")
+    if any(settings(doc, ignore) != settings(docs[0], ignore) for doc in docs):
+        raise SystemExit(f"the runs {[str(p) for p in paths]} differ in more than granularity")
+    kl = {doc["config"]["granularity"]: per_seed_kl(doc) for doc in docs}
+    return kl, docs[0]["config"]
 
 
 def report(kl: dict, config: dict) -> str:
-    grans = [g for g in GRANULARITIES if g in kl]
-    labels = list(kl[grans[0]])
+    grans = sorted(kl, key=list(GRANULARITIES).index)
+    labels = [label for label in kl[grans[0]] if all(label in kl[g] for g in grans)]
     ranker = next(label for label in labels if label.startswith("ranker:"))
     heuristics = [label for label in labels if label != ranker]
     ratios = sorted(kl[grans[0]][ranker], reverse=True)
@@ -50,15 +49,13 @@ def report(kl: dict, config: dict) -> str:
     best = {(g, r): min(heuristics, key=lambda h: kl_of(g, h, r)) for g, r in cols}
     seeds = {(g, r): [kl[g][ranker][r][m] for m in sorted(kl[g][ranker][r])] for g, r in cols}
     lines = [
-        "# Decisions ablation: shared vs per layer vs per (layer, KV head) (issue 14, "
-        "deliverable 5)",
+        f"# Decisions ablation: {' vs '.join(grans)} (issue 14, deliverable 5)",
         "",
-        "`bash scripts/ablate_decisions.sh`: the same three supervised rankers "
-        f"(`{ranker.removeprefix('ranker:')}`, seeds 0, 1, 2, from `scripts/ablate_training.sh`) "
-        "decide per (layer, KV head) (`head`: each row keeps its own top B), per layer (`layer`: "
-        "scores averaged over the layer's KV heads) and once for the whole model (`shared`: "
-        "averaged over every row), beside the heuristics at the same granularity. The rankers "
-        "were trained per row; averaging their scores is the only change. Decode protocol; "
+        "`bash scripts/ablate_decisions.sh`: the same supervised rankers "
+        f"(`{ranker.removeprefix('ranker:')}`, from `scripts/ablate_training.sh`) decide "
+        + "; ".join(f"`{g}`: {GRANULARITIES[g]}" for g in grans)
+        + ". Beside them, the heuristics at the same granularity. The rankers were trained per "
+        "row; averaging their scores is the only change. Decode protocol; "
         f"text `{config['text'] or 'tinyshakespeare'}`, its last {config['heldout']:.0%} (never "
         f"trained on), {config['windows']} windows of {config['prompt_len']} + "
         f"{config['window'] - config['prompt_len']} tokens, B_min {config['min_budget']}. The "
@@ -104,12 +101,12 @@ def report(kl: dict, config: dict) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("out", type=Path, help="the ablation's folder (OUT of the script)")
+    p.add_argument("out", type=Path, help="where README.md goes")
+    p.add_argument(
+        "runs", type=Path, nargs="+", help=f"fidelity.json of some of {list(GRANULARITIES)}"
+    )
     args = p.parse_args()
-    kl = read(args.out)
-    if not kl:
-        p.error(f"no {args.out}/<granularity>/fidelity.json for {GRANULARITIES}")
-    config = json.loads((args.out / next(iter(kl)) / "fidelity.json").read_text())["config"]
+    kl, config = read(args.runs)
     (args.out / "README.md").write_text(report(kl, config))
     print(f"wrote {args.out / 'README.md'}")
 

@@ -3,7 +3,9 @@ README.md and curves.png.
 
 Reads the REINFORCE runs ``WORK/<arm>_s<seed>/metrics.jsonl`` and the fidelity run
 ``OUT/fidelity.json`` (one seed group per arm, ``learned:WORK/<arm>_s*/policy`` or
-``ranker:WORK/<arm>_s*[/policy]``, beside the heuristics), and writes into OUT:
+``ranker:WORK/<arm>_s*[/policy]``, beside the heuristics; ``--with`` adds the policies of
+other runs on the same settings, e.g. arms and heuristics another ablation evaluated), and
+writes into OUT:
 
 * ``curves.png`` (when some arm trained with REINFORCE): training KL and policy entropy per
   step, each arm's mean over its seeds (a moving average of 10 steps), the seeds' range shaded;
@@ -56,6 +58,27 @@ def read_runs(work: Path) -> dict[str, dict[int, list[dict]]]:
         rows = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
         runs.setdefault(arm, {})[int(seed)] = rows
     return runs
+
+
+def settings(doc: dict, ignore: tuple[str, ...] = ("policies",)) -> dict:
+    """A fidelity run's model and settings less ``ignore``: equal for runs that share a table."""
+    return {"model": doc["model"]} | {k: v for k, v in doc["config"].items() if k not in ignore}
+
+
+def read_fidelity(paths: list[Path]) -> dict:
+    """The first fidelity run's document with the records of every run (a policy label read
+    from an earlier run is skipped); exits if the runs' settings differ."""
+    docs = [json.loads(path.read_text()) for path in paths]
+    for path, doc in zip(paths[1:], docs[1:], strict=True):
+        if settings(doc) != settings(docs[0]):
+            raise SystemExit(f"{path} and {paths[0]} were run on different settings")
+    seen: set[str] = set()
+    records = []
+    for doc in docs:
+        new = {rec["policy"] for rec in doc["records"]} - seen
+        records += [rec for rec in doc["records"] if rec["policy"] in new]
+        seen |= new
+    return {**docs[0], "records": records, "sources": [str(path) for path in paths]}
 
 
 def per_seed_kl(doc: dict) -> dict[str, dict[float, dict[str, float]]]:
@@ -122,8 +145,9 @@ def report(runs: dict, doc: dict, arms: list[str], title: str, script: str) -> s
         f"# {title} (issue 14, deliverable 5)",
         "",
         f"`bash {script}`: each arm trained with seeds 0, 1, 2 (the seed sets the "
-        "initialisation, the training windows and, in REINFORCE, the rollouts' keys); then one "
-        "decode-protocol fidelity run of all of them beside the heuristics. Text: "
+        "initialisation, the training windows and, in REINFORCE, the rollouts' keys); then "
+        "decode-protocol fidelity of all of them beside the heuristics "
+        f"({', '.join(f'`{s}`' for s in doc['sources'])}, on the same windows). Text: "
         f"`{cfg['text'] or 'tinyshakespeare'}`, its last {cfg['heldout']:.0%} (never trained "
         f"on), {cfg['windows']} windows of {cfg['prompt_len']} + "
         f"{cfg['window'] - cfg['prompt_len']} tokens, granularity "
@@ -206,12 +230,20 @@ def main() -> None:
     p.add_argument("--arms", default="paper,exact,ordered_pl", help=f"comma list from {list(ARMS)}")
     p.add_argument("--title", default="REINFORCE estimator ablation")
     p.add_argument("--script", default="scripts/ablate_rl.sh", help="the ablation's command")
+    p.add_argument(
+        "--with",
+        dest="more",
+        type=Path,
+        action="append",
+        default=[],
+        help="another fidelity.json on the same settings whose policies join the table",
+    )
     args = p.parse_args()
     arms = args.arms.split(",")
     if unknown := sorted(set(arms) - set(ARMS)):
         p.error(f"unknown arms {unknown}; choose from {list(ARMS)}")
     runs = read_runs(args.work)
-    doc = json.loads((args.out / "fidelity.json").read_text())
+    doc = read_fidelity([args.out / "fidelity.json", *args.more])
     if any(arm in runs for arm in arms):
         plot(runs, arms, args.out / "curves.png")
     (args.out / "README.md").write_text(report(runs, doc, arms, args.title, args.script))
