@@ -14,10 +14,7 @@ source scripts/lib.sh
 work=${WORK:-runs/ablate_training}
 out=${OUT:-results/decision_ablation}
 head_run=${HEAD_RUN:-results/training_ablation/fidelity.json}
-finished "$head_run" || {
-  echo "no finished $head_run: run scripts/ablate_training.sh first" >&2
-  exit 1
-}
+need_run "$head_run" scripts/ablate_training.sh
 runs=()
 for g in ${GRANULARITIES:-shared}; do
   prose_tail_check "$out/$g" "$g" "ranker:$work/supervised_s*,critical:h2o,h2o,tova,streaming_llm"

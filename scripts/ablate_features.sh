@@ -17,10 +17,7 @@ source scripts/lib.sh
 work=${WORK:-runs/ablate_training}
 out=${OUT:-results/feature_ablation}
 base_run=${BASE_RUN:-results/training_ablation/fidelity.json}
-finished "$base_run" || {
-  echo "no finished $base_run: run scripts/ablate_training.sh first" >&2
-  exit 1
-}
+need_run "$base_run" scripts/ablate_training.sh
 declare -A features=(
   [paper5]=log_attn,log_vnorm,log_attn_var,entropy,pos_frac
   [all14]=$("$py" -c "from jaxkv.policies.ranker import FEATURES, RECON_FEATURES

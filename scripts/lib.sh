@@ -13,6 +13,10 @@ from jaxkv.rl.data import write_domain_text
 write_domain_text('$1', '$2', tokenizer=load_eval_model('smollm2-135m').tokenizer)"
 }
 
+need_run() {  # RESULT_JSON SCRIPT: exit with a message unless that run finished (SCRIPT writes it)
+  finished "$1" || { echo "no finished $1: run $2 first" >&2; exit 1; }
+}
+
 evaluate() {  # KIND DIR FLAGS...: python -m jaxkv.eval KIND FLAGS --out DIR, unless that run finished
   local kind=$1 dir=$2
   shift 2
