@@ -31,7 +31,7 @@ def read(paths: list[Path]) -> tuple[dict, dict]:
     ignore = ("policies", "granularity")
     if any(settings(doc, ignore) != settings(docs[0], ignore) for doc in docs):
         raise SystemExit(f"the runs {[str(p) for p in paths]} differ in more than granularity")
-    kl = {doc["config"]["granularity"]: per_seed_kl(doc) for doc in docs}
+    kl = {doc["config"].get("granularity", "shared"): per_seed_kl(doc) for doc in docs}
     return kl, docs[0]["config"]
 
 
