@@ -9,7 +9,7 @@
 # (critical:h2o, h2o, tova, streaming_llm) from the training ablation's run on the same windows.
 # Resumable: a finished fit or evaluation is skipped. (scripts/ablate_ranker.py compares the same
 # configurations on the kept future mass of the training domains' validation rows.)
-#   bash scripts/ablate_features.sh   # about 40 min of training and 6 of evaluation on 2 cores
+#   bash scripts/ablate_features.sh   # about 40 min of training and 10 of evaluation on 2 cores
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-.venv/bin/python}
