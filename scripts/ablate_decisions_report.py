@@ -15,7 +15,7 @@ import argparse
 import json
 from pathlib import Path
 
-from ablate_rl_report import mean_std, per_seed_kl, settings
+from ablate_rl_report import mean_std, per_seed_kl, settings, windows_text
 
 GRANULARITIES = {  # what the ranker's decision is at each granularity (jaxkv.policies.ranker)
     "shared": "once for the whole model (its scores averaged over every row)",
@@ -56,10 +56,8 @@ def report(kl: dict, config: dict) -> str:
         + "; ".join(f"`{g}`: {GRANULARITIES[g]}" for g in grans)
         + ". Beside them, the heuristics at the same granularity. The rankers were trained per "
         "row; averaging their scores is the only change. Decode protocol; "
-        f"text `{config['text'] or 'tinyshakespeare'}`, its last {config['heldout']:.0%} (never "
-        f"trained on), {config['windows']} windows of {config['prompt_len']} + "
-        f"{config['window'] - config['prompt_len']} tokens, B_min {config['min_budget']}. The "
-        "ablation chooses nothing.",
+        f"text {windows_text(config)}, B_min {config['min_budget']}. The ablation chooses "
+        "nothing.",
         "",
         "## KL(P_full || P_pruned) per token (nats; lower is better)",
         "",

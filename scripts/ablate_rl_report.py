@@ -81,6 +81,15 @@ def read_fidelity(paths: list[Path]) -> dict:
     return {**docs[0], "records": records, "sources": [str(path) for path in paths]}
 
 
+def windows_text(cfg: dict) -> str:
+    """The fidelity run's text and windows, for a report."""
+    return (
+        f"`{cfg['text'] or 'tinyshakespeare'}`, its last {cfg['heldout']:.0%} (never trained "
+        f"on), {cfg['windows']} windows of {cfg['prompt_len']} + "
+        f"{cfg['window'] - cfg['prompt_len']} tokens"
+    )
+
+
 def per_seed_kl(doc: dict) -> dict[str, dict[float, dict[str, float]]]:
     """{policy label: {ratio: {member: KL}}} from the fidelity records."""
     out: dict[str, dict[float, dict[str, float]]] = {}
@@ -148,9 +157,7 @@ def report(runs: dict, doc: dict, arms: list[str], title: str, script: str) -> s
         "initialisation, the training windows and, in REINFORCE, the rollouts' keys); then "
         "decode-protocol fidelity of all of them beside the heuristics "
         f"({', '.join(f'`{s}`' for s in doc['sources'])}, on the same windows). Text: "
-        f"`{cfg['text'] or 'tinyshakespeare'}`, its last {cfg['heldout']:.0%} (never trained "
-        f"on), {cfg['windows']} windows of {cfg['prompt_len']} + "
-        f"{cfg['window'] - cfg['prompt_len']} tokens, granularity "
+        f"{windows_text(cfg)}, granularity "
         f"{cfg.get('granularity', 'shared')}, "
         f"B_min {cfg['min_budget']}. The ablation chooses nothing.",
         "",
