@@ -1,0 +1,107 @@
+"""The tables of results/distillcache_confirm/ (``scripts/distillcache_confirm.sh``).
+
+Reads every ``<protocol>_<granularity>/fidelity.json`` under the folder and writes README.md's
+tables into ``tables.md``: for each protocol, every (policy, granularity) row's mean KL at each
+ratio, the best heuristic over every granularity (kvzip counts as one; ``oracle`` is the bound
+and the learned policies are not heuristics), and each learned row's KL over it with the
+number of windows (of 8) where the learned row is below that heuristic's own KL. Runs that are
+missing are named, not skipped silently.
+
+    .venv/bin/python scripts/distillcache_confirm_report.py results/distillcache_confirm
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+PROTOCOLS = ("decode", "prefill")
+GRANULARITIES = ("global", "head", "adaptive", "layer", "shared")
+LEARNED = ("ranker:", "rerank", "learned:")
+RATIOS = (0.25, 0.125)
+
+
+def is_learned(policy: str) -> bool:
+    return policy.startswith(LEARNED)
+
+
+def read_runs(folder: Path) -> tuple[dict, list[str]]:
+    """{(protocol, granularity, policy, ratio): per-window KL} and the runs not found."""
+    cells, missing = {}, []
+    for proto in PROTOCOLS:
+        for gran in GRANULARITIES:
+            path = folder / f"{proto}_{gran}" / "fidelity.json"
+            doc = json.loads(path.read_text()) if path.exists() else {}
+            if not doc.get("complete"):
+                missing.append(f"{proto}_{gran}")
+                continue
+            for rec in doc["records"]:
+                key = (proto, gran, rec["policy"], rec["ratio"])
+                cells[key] = rec["kl_per_window"]
+    return cells, missing
+
+
+def mean(xs) -> float:
+    return sum(xs) / len(xs)
+
+
+def best_heuristic(cells: dict, proto: str, ratio: float) -> tuple[str, str, list[float]]:
+    """(policy, granularity, per-window KL) of the lowest mean KL among the heuristics."""
+    rows = [
+        (mean(kl), pol, gran, kl)
+        for (p, gran, pol, r), kl in cells.items()
+        if p == proto and r == ratio and not is_learned(pol) and pol not in ("oracle", "full")
+    ]
+    _, pol, gran, kl = min(rows)
+    return pol, gran, kl
+
+
+def protocol_table(cells: dict, proto: str) -> list[str]:
+    best = {r: best_heuristic(cells, proto, r) for r in RATIOS}
+    head = "| policy | granularity | " + " | ".join(f"r = {r}" for r in RATIOS) + " |"
+    lines = [head, "|---|---|" + "---|" * len(RATIOS)]
+    rows = sorted(
+        {(pol, gran) for (p, gran, pol, _) in cells if p == proto},
+        key=lambda pg: mean(cells[(proto, pg[1], pg[0], RATIOS[0])]),
+    )
+    for pol, gran in rows:
+        parts = []
+        for r in RATIOS:
+            kl = cells[(proto, gran, pol, r)]
+            text = f"{mean(kl):.4f}"
+            b_pol, b_gran, b_kl = best[r]
+            if is_learned(pol):
+                wins = sum(a < b for a, b in zip(kl, b_kl, strict=True))
+                text = f"**{text}** ({mean(kl) / mean(b_kl):.2f}×, {wins}/{len(kl)})"
+            elif (pol, gran) == (b_pol, b_gran):
+                text = f"_{text}_ (best heuristic)"
+            parts.append(text)
+        name = f"**{pol}**" if is_learned(pol) else pol
+        lines.append(f"| {name} | {gran} | " + " | ".join(parts) + " |")
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("folder", type=Path)
+    args = ap.parse_args()
+    cells, missing = read_runs(args.folder)
+    out = []
+    for proto in PROTOCOLS:
+        if not any(p == proto for p, *_ in cells):
+            continue
+        out += [f"## {proto} protocol", "", *protocol_table(cells, proto), ""]
+    out.append(
+        "Mean KL in nats per token over the 8 windows. Learned rows: (KL over the best "
+        "heuristic of the protocol at that ratio, over every granularity run; windows of 8 where "
+        "the learned row's KL is below that heuristic's)."
+    )
+    if missing:
+        out += ["", "Runs not (yet) complete: " + ", ".join(missing) + "."]
+    (args.folder / "tables.md").write_text("\n".join(out) + "\n")
+    print("\n".join(out))
+
+
+if __name__ == "__main__":
+    main()
