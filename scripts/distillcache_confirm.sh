@@ -2,8 +2,10 @@
 # The confirmation run of results/distillcache_confirm/PROTOCOL.md: the learned DistillCache
 # policies that ship, against every heuristic at every granularity, on 8 BIG-Bench Hard windows
 # no earlier run read (6.25 % into the held-out text, between the windows at --heldout 1 and
-# 0.875). Writes results/distillcache_confirm/<run>/fidelity.{md,json}, most important runs
-# first; a finished run is skipped (delete its folder to redo it). About an hour on 2 cores.
+# 0.875), then kvpress's two best presses on the same windows. Writes
+# results/distillcache_confirm/<run>/fidelity.{md,json}, most important runs first, and
+# tables.md; a finished run is skipped (delete its folder to redo it). About two hours on 2
+# cores, plus building .venv-kvpress the first time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-.venv/bin/python}
@@ -18,8 +20,11 @@ blend=rerank@0.5:ranker:ranker_kvzip_smollm2_cpu
 head=ranker:ranker_smollm2_cpu
 heur=critical:h2o,h2o,tova,snapkv,expected_attention,streaming_llm
 top=critical:h2o,h2o,tova
-run() {  # PROTOCOL GRANULARITY POLICIES
-  evaluate fidelity "$out/$1_$2" "${common[@]}" --protocol "$1" --granularity "$2" --policies "$3"
+run() {  # PROTOCOL GRANULARITY POLICIES [FLAGS...]
+  local proto=$1 gran=$2 policies=$3
+  shift 3
+  evaluate fidelity "$out/${proto}_$gran" "${common[@]}" --protocol "$proto" \
+    --granularity "${gran%_nocap}" --policies "$policies" "$@"
 }
 run decode global "$tier,$top,snapkv,oracle"
 run prefill global "$blend,$tier,kvzip,$heur,oracle"
@@ -31,4 +36,9 @@ run decode layer "$top"
 run prefill layer "kvzip,$top"
 run decode shared "$top,learned:distillcache_smollm2_cpu"
 run prefill shared "$top"
+run prefill global_nocap "$blend,$tier,kvzip,oracle" --head-floor 0 --head-cap 8
+if [[ ! -f $out/kvpress_comparison.json ]]; then
+  OUT=runs/kvpress-confirm RESULTS=$out/kvpress_comparison HELDOUT=0.9375 LIMIT=8 \
+    STEPS="1 2 4 5" PRESSES=KVzipPress,KVComposePress scripts/compare_kvpress.sh "$text"
+fi
 "$py" scripts/distillcache_confirm_report.py "$out"

@@ -1,11 +1,13 @@
 """The tables of results/distillcache_confirm/ (``scripts/distillcache_confirm.sh``).
 
-Reads every ``<protocol>_<granularity>/fidelity.json`` under the folder and writes README.md's
-tables into ``tables.md``: for each protocol, every (policy, granularity) row's mean KL at each
-ratio, the best heuristic over every granularity (kvzip counts as one; ``oracle`` is the bound
-and the learned policies are not heuristics), and each learned row's KL over it with the
-number of windows (of 8) where the learned row is below that heuristic's own KL. Runs that are
-missing are named, not skipped silently.
+Reads every ``<protocol>_<granularity>/fidelity.json`` under the folder (``global_nocap``: global
+without a floor or cap) and kvpress's rows (``kvpress.json`` of the comparison's run folder,
+``--kvpress``), and writes README.md's tables into ``tables.md``: for each protocol, every
+(policy, granularity) row's mean KL at each ratio, the best jaxkv heuristic over every
+granularity and allocation (kvzip counts as one; ``oracle`` is the bound and the learned
+policies are not heuristics), and each learned row's KL over it with the number of windows (of
+8) where the learned row is below that heuristic's own KL, then over the best kvpress press.
+Runs that are missing are named, not skipped silently.
 
     .venv/bin/python scripts/distillcache_confirm_report.py results/distillcache_confirm
 """
@@ -17,7 +19,8 @@ import json
 from pathlib import Path
 
 PROTOCOLS = ("decode", "prefill")
-GRANULARITIES = ("global", "head", "adaptive", "layer", "shared")
+GRANULARITIES = ("global", "head", "adaptive", "layer", "shared", "global_nocap")
+LABELS = {"global_nocap": "global, no floor or cap"}
 LEARNED = ("ranker:", "rerank", "learned:")
 RATIOS = (0.25, 0.125)
 
@@ -30,14 +33,14 @@ def read_runs(folder: Path) -> tuple[dict, list[str]]:
     """{(protocol, granularity, policy, ratio): per-window KL} and the runs not found."""
     cells, missing = {}, []
     for proto in PROTOCOLS:
-        for gran in GRANULARITIES:
+        for gran in GRANULARITIES if proto == "prefill" else GRANULARITIES[:-1]:
             path = folder / f"{proto}_{gran}" / "fidelity.json"
             doc = json.loads(path.read_text()) if path.exists() else {}
             if not doc.get("complete"):
                 missing.append(f"{proto}_{gran}")
                 continue
             for rec in doc["records"]:
-                key = (proto, gran, rec["policy"], rec["ratio"])
+                key = (proto, LABELS.get(gran, gran), rec["policy"], rec["ratio"])
                 cells[key] = rec["kl_per_window"]
     return cells, missing
 
@@ -57,8 +60,19 @@ def best_heuristic(cells: dict, proto: str, ratio: float) -> tuple[str, str, lis
     return pol, gran, kl
 
 
-def protocol_table(cells: dict, proto: str) -> list[str]:
+def read_kvpress(path: Path | None) -> dict:
+    """{(method, ratio): mean KL} of kvpress's presses (empty without the file)."""
+    if path is None or not path.exists():
+        return {}
+    rows = json.loads(path.read_text())["rows"]
+    return {(r["method"], float(r["ratio"])): float(r["kl_mean"]) for r in rows}
+
+
+def protocol_table(cells: dict, proto: str, presses: dict) -> list[str]:
     best = {r: best_heuristic(cells, proto, r) for r in RATIOS}
+    press = {}  # ratio → (mean KL, method) of the best kvpress press (prefill protocol)
+    if presses and proto == "prefill":
+        press = {r: min((kl, m) for (m, rr), kl in presses.items() if rr == r) for r in RATIOS}
     head = "| policy | granularity | " + " | ".join(f"r = {r}" for r in RATIOS) + " |"
     lines = [head, "|---|---|" + "---|" * len(RATIOS)]
     rows = sorted(
@@ -73,30 +87,40 @@ def protocol_table(cells: dict, proto: str) -> list[str]:
             b_pol, b_gran, b_kl = best[r]
             if is_learned(pol):
                 wins = sum(a < b for a, b in zip(kl, b_kl, strict=True))
-                text = f"**{text}** ({mean(kl) / mean(b_kl):.2f}×, {wins}/{len(kl)})"
+                text = f"**{text}** ({mean(kl) / mean(b_kl):.2f}×, {wins}/{len(kl)}"
+                text += f"; {mean(kl) / press[r][0]:.2f}× kvpress)" if press else ")"
             elif (pol, gran) == (b_pol, b_gran):
                 text = f"_{text}_ (best heuristic)"
             parts.append(text)
         name = f"**{pol}**" if is_learned(pol) else pol
         lines.append(f"| {name} | {gran} | " + " | ".join(parts) + " |")
+    for method in sorted({m for m, _ in presses}) if press else []:
+        kls = [presses.get((method, r)) for r in RATIOS]
+        parts = [f"{kl:.4f}" if kl is not None else "–" for kl in kls]
+        lines.append(f"| kvpress {method} | its own | " + " | ".join(parts) + " |")
     return lines
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("folder", type=Path)
+    ap.add_argument("--kvpress", type=Path, default=Path("runs/kvpress-confirm/kvpress.json"))
     args = ap.parse_args()
     cells, missing = read_runs(args.folder)
+    presses = read_kvpress(args.kvpress)
     out = []
     for proto in PROTOCOLS:
         if not any(p == proto for p, *_ in cells):
             continue
-        out += [f"## {proto} protocol", "", *protocol_table(cells, proto), ""]
+        out += [f"## {proto} protocol", "", *protocol_table(cells, proto, presses), ""]
     out.append(
         "Mean KL in nats per token over the 8 windows. Learned rows: (KL over the best "
         "heuristic of the protocol at that ratio, over every granularity run; windows of 8 where "
-        "the learned row's KL is below that heuristic's)."
+        "the learned row's KL is below that heuristic's; in the prefill protocol, KL over the "
+        "best kvpress press's mean KL at that ratio)."
     )
+    if not presses:
+        missing.append("kvpress")
     if missing:
         out += ["", "Runs not (yet) complete: " + ", ".join(missing) + "."]
     (args.folder / "tables.md").write_text("\n".join(out) + "\n")
