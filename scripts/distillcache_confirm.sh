@@ -37,8 +37,9 @@ run prefill layer "kvzip,$top"
 run decode shared "$top,learned:distillcache_smollm2_cpu"
 run prefill shared "$top"
 run prefill global_nocap "$blend,$tier,kvzip,oracle" --head-floor 0 --head-cap 8
-if [[ ! -f $out/kvpress_comparison.json ]]; then
+if [[ ! -f $out/kvpress.json ]]; then
   OUT=runs/kvpress-confirm RESULTS=$out/kvpress_comparison HELDOUT=0.9375 LIMIT=8 \
     STEPS="1 2 4 5" PRESSES=KVzipPress,KVComposePress scripts/compare_kvpress.sh "$text"
+  cp runs/kvpress-confirm/kvpress.json "$out/kvpress.json"
 fi
 "$py" scripts/distillcache_confirm_report.py "$out"

@@ -1,9 +1,9 @@
 """The tables of results/distillcache_confirm/ (``scripts/distillcache_confirm.sh``).
 
-Reads every ``<protocol>_<granularity>/fidelity.json`` under the folder (``global_nocap``: global
-without a floor or cap) and kvpress's rows (``kvpress.json`` of the comparison's run folder,
-``--kvpress``), and writes README.md's tables into ``tables.md``: for each protocol, every
-(policy, granularity) row's mean KL at each ratio, the best jaxkv heuristic over every
+Reads every ``<protocol>_<granularity>/fidelity.json`` under the folder (``global_nocap``:
+global without a floor or cap) and kvpress's rows (``kvpress.json``, copied from the
+comparison's run folder), and writes README.md's tables into ``tables.md``: for each protocol,
+every (policy, granularity) row's mean KL at each ratio, the best jaxkv heuristic over every
 granularity and allocation (kvzip counts as one; ``oracle`` is the bound and the learned
 policies are not heuristics), and each learned row's KL over it with the number of windows (of
 8) where the learned row is below that heuristic's own KL, then over the best kvpress press.
@@ -104,10 +104,9 @@ def protocol_table(cells: dict, proto: str, presses: dict) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("folder", type=Path)
-    ap.add_argument("--kvpress", type=Path, default=Path("runs/kvpress-confirm/kvpress.json"))
     args = ap.parse_args()
     cells, missing = read_runs(args.folder)
-    presses = read_kvpress(args.kvpress)
+    presses = read_kvpress(args.folder / "kvpress.json")
     out = []
     for proto in PROTOCOLS:
         if not any(p == proto for p, *_ in cells):
