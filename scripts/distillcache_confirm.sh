@@ -18,8 +18,8 @@ common=(--text "$text" --heldout 0.9375 --limit 8 --window 384 --prompt-len 256
 tier=ranker:ranker_recall_tier_smollm2_cpu
 blend=rerank@0.5:ranker:ranker_kvzip_smollm2_cpu
 head=ranker:ranker_smollm2_cpu
-heur=critical:h2o,h2o,tova,snapkv,expected_attention,streaming_llm
 top=critical:h2o,h2o,tova
+heur=$top,snapkv,expected_attention,streaming_llm
 run() {  # PROTOCOL GRANULARITY POLICIES [FLAGS...]
   local proto=$1 gran=$2 policies=$3
   shift 3

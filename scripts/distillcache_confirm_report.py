@@ -17,11 +17,15 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from statistics import fmean as mean
+
+from jaxkv.policies import LEARNED_PREFIX, RANKER_PREFIX, RERANK_PREFIXES
 
 PROTOCOLS = ("decode", "prefill")
-GRANULARITIES = ("global", "head", "adaptive", "layer", "shared", "global_nocap")
+GRANULARITIES = ("global", "head", "adaptive", "layer", "shared")
+PREFILL_ONLY = ("global_nocap",)  # runs of the prefill protocol alone
 LABELS = {"global_nocap": "global, no floor or cap"}
-LEARNED = ("ranker:", "rerank", "learned:")
+LEARNED = (LEARNED_PREFIX, RANKER_PREFIX, *RERANK_PREFIXES)
 RATIOS = (0.25, 0.125)
 
 
@@ -33,7 +37,7 @@ def read_runs(folder: Path) -> tuple[dict, list[str]]:
     """{(protocol, granularity, policy, ratio): per-window KL} and the runs not found."""
     cells, missing = {}, []
     for proto in PROTOCOLS:
-        for gran in GRANULARITIES if proto == "prefill" else GRANULARITIES[:-1]:
+        for gran in GRANULARITIES + (PREFILL_ONLY if proto == "prefill" else ()):
             path = folder / f"{proto}_{gran}" / "fidelity.json"
             doc = json.loads(path.read_text()) if path.exists() else {}
             if not doc.get("complete"):
@@ -43,10 +47,6 @@ def read_runs(folder: Path) -> tuple[dict, list[str]]:
                 key = (proto, LABELS.get(gran, gran), rec["policy"], rec["ratio"])
                 cells[key] = rec["kl_per_window"]
     return cells, missing
-
-
-def mean(xs) -> float:
-    return sum(xs) / len(xs)
 
 
 def best_heuristic(cells: dict, proto: str, ratio: float) -> tuple[str, str, list[float]]:
@@ -60,9 +60,9 @@ def best_heuristic(cells: dict, proto: str, ratio: float) -> tuple[str, str, lis
     return pol, gran, kl
 
 
-def read_kvpress(path: Path | None) -> dict:
+def read_kvpress(path: Path) -> dict:
     """{(method, ratio): mean KL} of kvpress's presses (empty without the file)."""
-    if path is None or not path.exists():
+    if not path.exists():
         return {}
     rows = json.loads(path.read_text())["rows"]
     return {(r["method"], float(r["ratio"])): float(r["kl_mean"]) for r in rows}
