@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# results/distillcache_tier_wide/PROTOCOL.md: `select` scores the recall ranker with attended
+# tiers of 0.625, 0.75 and 0.875 of the budget against the shipped 0.5 on the training domains
+# and ships the winner, if any; `heldout` runs decode-protocol fidelity on unread BIG-Bench Hard
+# windows (--heldout 0.125), once. A finished run is skipped (delete its folder to redo it).
+# Writes results/distillcache_tier_wide/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+py=${PYTHON:-.venv/bin/python}
+source scripts/lib.sh
+out=${OUT:-results/distillcache_tier_wide}
+shipped=ranker_recall_tier_smollm2_cpu  # F = 0.5
+wide=ranker_recall_tier_wide_smollm2_cpu
+case "${1:-}" in
+  select)
+    candidates=()
+    for f in 0.625 0.75 0.875; do
+      staged=runs/distillcache_tier_wide/tier_$f
+      [[ -f $staged/ranker.json ]] || "$py" -c "
+from jaxkv.policies.ranker import retier
+retier('ranker_recall_smollm2_cpu', '$staged', attended_fraction=$f)"
+      candidates+=("ranker:$staged=$staged")
+    done
+    policies=$(IFS=,; echo "${candidates[*]%%=*}")
+    domain_check "$out" "ranker:$shipped,$policies"
+    "$py" scripts/distillcache_tier_wide_select.py "$out" "${candidates[@]}" "jaxkv/checkpoints/$wide" ;;
+  heldout)
+    [[ -f jaxkv/checkpoints/$wide/ranker.json ]] || { echo "nothing shipped: see $0 select" >&2; exit 2; }
+    text=runs/distillcache_tier_wide/heldout.txt
+    [[ -f $text ]] || write_text reasoning "$text"
+    fresh=(--text "$text" --heldout 0.125 --limit 8 --window 384 --prompt-len 256
+      --protocol decode --ratios 0.25,0.125)
+    evaluate fidelity "$out/fidelity_global" "${fresh[@]}" --granularity global \
+      --policies "ranker:$wide,ranker:$shipped"
+    evaluate fidelity "$out/fidelity_head" "${fresh[@]}" --granularity head \
+      --policies critical:h2o,h2o,tova,snapkv
+    evaluate fidelity "$out/fidelity_layer" "${fresh[@]}" --granularity layer --policies critical:h2o ;;
+  *) echo "usage: $0 select | heldout" >&2; exit 2 ;;
+esac
