@@ -7,7 +7,9 @@ every (policy, granularity) row's mean KL at each ratio, the best jaxkv heuristi
 granularity and allocation (kvzip counts as one; ``oracle`` is the bound and the learned
 policies are not heuristics), and each learned row's KL over it with the number of windows (of
 8) where the learned row is below that heuristic's own KL, then over the best kvpress press.
-Runs that are missing are named, not skipped silently.
+Runs that are missing are named, not skipped silently; ``--runs`` names the runs a protocol
+planned when it is not all of them (``scripts/distillcache_tier_wide.sh``: decode at global,
+head and layer, no kvpress).
 
     .venv/bin/python scripts/distillcache_confirm_report.py results/distillcache_confirm
 """
@@ -33,19 +35,28 @@ def is_learned(policy: str) -> bool:
     return policy.startswith(LEARNED)
 
 
-def read_runs(folder: Path) -> tuple[dict, list[str]]:
+def all_runs() -> list[str]:
+    """Every ``<protocol>_<granularity>`` run of distillcache_confirm.sh."""
+    return [
+        f"{proto}_{gran}"
+        for proto in PROTOCOLS
+        for gran in GRANULARITIES + (PREFILL_ONLY if proto == "prefill" else ())
+    ]
+
+
+def read_runs(folder: Path, runs: list[str]) -> tuple[dict, list[str]]:
     """{(protocol, granularity, policy, ratio): per-window KL} and the runs not found."""
     cells, missing = {}, []
-    for proto in PROTOCOLS:
-        for gran in GRANULARITIES + (PREFILL_ONLY if proto == "prefill" else ()):
-            path = folder / f"{proto}_{gran}" / "fidelity.json"
-            doc = json.loads(path.read_text()) if path.exists() else {}
-            if not doc.get("complete"):
-                missing.append(f"{proto}_{gran}")
-                continue
-            for rec in doc["records"]:
-                key = (proto, LABELS.get(gran, gran), rec["policy"], rec["ratio"])
-                cells[key] = rec["kl_per_window"]
+    for run in runs:
+        proto, gran = run.split("_", 1)
+        path = folder / run / "fidelity.json"
+        doc = json.loads(path.read_text()) if path.exists() else {}
+        if not doc.get("complete"):
+            missing.append(run)
+            continue
+        for rec in doc["records"]:
+            key = (proto, LABELS.get(gran, gran), rec["policy"], rec["ratio"])
+            cells[key] = rec["kl_per_window"]
     return cells, missing
 
 
@@ -104,8 +115,14 @@ def protocol_table(cells: dict, proto: str, presses: dict) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("folder", type=Path)
+    ap.add_argument(
+        "--runs",
+        type=lambda text: text.split(","),
+        default=all_runs(),
+        help="the runs planned, comma-separated (default: all of distillcache_confirm.sh's)",
+    )
     args = ap.parse_args()
-    cells, missing = read_runs(args.folder)
+    cells, missing = read_runs(args.folder, args.runs)
     presses = read_kvpress(args.folder / "kvpress.json")
     out = []
     for proto in PROTOCOLS:
@@ -118,7 +135,7 @@ def main() -> None:
         "the learned row's KL is below that heuristic's; in the prefill protocol, KL over the "
         "best kvpress press's mean KL at that ratio)."
     )
-    if not presses:
+    if not presses and any(run.startswith("prefill") for run in args.runs):
         missing.append("kvpress")
     if missing:
         out += ["", "Runs not (yet) complete: " + ", ".join(missing) + "."]

@@ -2,8 +2,8 @@
 # results/distillcache_tier_wide/PROTOCOL.md: `select` scores the recall ranker with attended
 # tiers of 0.625, 0.75 and 0.875 of the budget against the shipped 0.5 on the training domains
 # and ships the winner, if any; `heldout` runs decode-protocol fidelity on unread BIG-Bench Hard
-# windows (--heldout 0.125), once. A finished run is skipped (delete its folder to redo it).
-# Writes results/distillcache_tier_wide/.
+# windows (--heldout 0.125), once, and writes its table (tables.md). A finished run is skipped
+# (delete its folder to redo it). Writes results/distillcache_tier_wide/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-.venv/bin/python}
@@ -30,10 +30,11 @@ retier('ranker_recall_smollm2_cpu', '$staged', attended_fraction=$f)"
     [[ -f $text ]] || write_text reasoning "$text"
     fresh=(--text "$text" --heldout 0.125 --limit 8 --window 384 --prompt-len 256
       --protocol decode --ratios 0.25,0.125)
-    evaluate fidelity "$out/fidelity_global" "${fresh[@]}" --granularity global \
+    evaluate fidelity "$out/decode_global" "${fresh[@]}" --granularity global \
       --policies "ranker:$wide,ranker:$shipped"
-    evaluate fidelity "$out/fidelity_head" "${fresh[@]}" --granularity head \
+    evaluate fidelity "$out/decode_head" "${fresh[@]}" --granularity head \
       --policies critical:h2o,h2o,tova,snapkv
-    evaluate fidelity "$out/fidelity_layer" "${fresh[@]}" --granularity layer --policies critical:h2o ;;
+    evaluate fidelity "$out/decode_layer" "${fresh[@]}" --granularity layer --policies critical:h2o
+    "$py" scripts/distillcache_confirm_report.py "$out" --runs decode_global,decode_head,decode_layer ;;
   *) echo "usage: $0 select | heldout" >&2; exit 2 ;;
 esac
