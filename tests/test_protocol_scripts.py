@@ -1,0 +1,71 @@
+"""The held-out protocols' selection rule and table (``scripts/distillcache_tier_wide_select.py``,
+``scripts/distillcache_confirm_report.py``) on hand-made result files: the rule's bounds decide
+as PROTOCOL.md says, and a report restricted to the runs a protocol planned names no others."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+BASE = "ranker:ranker_recall_tier_smollm2_cpu"
+
+
+def _fidelity(path: Path, kl: dict, *, per_window: int = 0) -> None:
+    """A finished fidelity.json with ``kl[(policy, ratio)]`` as each row's mean KL."""
+    path.mkdir(parents=True)
+    results = [{"policy": p, "ratio": r, "kl_mean": v} for (p, r), v in kl.items()]
+    records = [
+        {"policy": p, "ratio": r, "kl_per_window": [v] * per_window} for (p, r), v in kl.items()
+    ]
+    doc = {"complete": True, "results": results, "records": records}
+    (path / "fidelity.json").write_text(json.dumps(doc))
+
+
+def _select(tmp_path: Path, ratios: dict) -> tuple[str, Path]:
+    """Runs the rule on 4 domains where candidate c has KL ``ratios[c][r]`` × the base's."""
+    for domain in ("chat", "code", "math", "prose"):
+        kl = {(BASE, r): 1.0 for r in (0.25, 0.125)}
+        kl |= {(c, r): x for c, by in ratios.items() for r, x in by.items()}
+        _fidelity(tmp_path / f"check_{domain}", kl)
+    for c in ratios:
+        (tmp_path / c).mkdir()
+        (tmp_path / c / "ranker.json").write_text("{}")
+    shipped = tmp_path / "shipped"
+    args = [f"{c}={tmp_path / c}" for c in ratios]
+    cmd = [sys.executable, SCRIPTS / "distillcache_tier_wide_select.py", tmp_path, *args, shipped]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    return out.split("Verdict: ", 1)[1], shipped
+
+
+@pytest.mark.parametrize(
+    ("ratios", "winner"),
+    [
+        # b is lowest at r = 0.125 but loses 3 % at r = 0.25: not admissible, a wins
+        ({"a": {0.25: 1.0, 0.125: 0.95}, "b": {0.25: 1.03, 0.125: 0.90}}, "a"),
+        # the best admissible gains only 2 % at r = 0.125: nothing ships
+        ({"a": {0.25: 0.9, 0.125: 0.98}, "b": {0.25: 1.0, 0.125: 0.99}}, None),
+        ({"a": {0.25: 1.05, 0.125: 0.5}}, None),  # none admissible
+    ],
+)
+def test_tier_wide_rule(tmp_path, ratios, winner):
+    verdict, shipped = _select(tmp_path, ratios)
+    if winner is None:
+        assert "nothing ships" in verdict and not shipped.exists()
+    else:
+        assert verdict.startswith(f"`{winner}` wins") and (shipped / "ranker.json").exists()
+
+
+def test_report_names_only_the_planned_runs(tmp_path):
+    kl = {("ranker:x", 0.25): 0.4, ("ranker:x", 0.125): 0.8}
+    _fidelity(tmp_path / "decode_global", kl, per_window=2)
+    heur = {("critical:h2o", 0.25): 0.5, ("critical:h2o", 0.125): 0.8}
+    _fidelity(tmp_path / "decode_head", heur, per_window=2)
+    report = SCRIPTS / "distillcache_confirm_report.py"
+    runs = "decode_global,decode_head,decode_layer"
+    cmd = [sys.executable, report, tmp_path, "--runs", runs]
+    text = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    assert "**0.4000** (0.80×, 2/2)" in text and "**0.8000** (1.00×, 0/2)" in text
+    assert text.strip().endswith("Runs not (yet) complete: decode_layer.")
