@@ -54,6 +54,40 @@ def test_allocation_equals_the_written_out_reference():
     assert len(set(map(tuple, got.reshape(-1, K)))) > 1  # the heads' shares differ
 
 
+def test_allocation_breaks_ties_as_the_reference_does():
+    """Scores from three values (ties everywhere, +-0.0 among them), rows full, empty and in
+    between, budgets from 0 to more than the occupied slots."""
+    rng = np.random.default_rng(2)
+    L, B, K, C = 2, 4, 3, 10
+    scores = rng.choice(np.float32([-0.0, 0.0, 1.5]), size=(L, B, K, C))
+    pos = np.where(rng.uniform(size=(L, B, K, C)) < 0.3, -1, 1).astype(np.int32)
+    pos[0, 1, 0] = -1  # an empty row
+    budget = np.array([0, 2, 5, 40], np.int32)
+    floor, cap = np.array([0, 1, 2, 0], np.int32), np.array([0, 4, 10, 10], np.int32)
+    for over_layers in (False, True):
+        got = _allocate(scores, pos, budget, floor, cap, over_layers=over_layers)
+        for b in range(B):
+            rows = [(l, k) for l in range(L) for k in range(K)] if over_layers else None
+            for group in [rows] if over_layers else [[(l, k) for k in range(K)] for l in range(L)]:
+                s = np.stack([scores[l, b, k] for l, k in group])
+                v = np.stack([pos[l, b, k] >= 0 for l, k in group])
+                want = _reference_allocation(s, v, budget[b], floor[b], cap[b])
+                assert [got[l, b, k] for l, k in group] == want, (over_layers, b)
+
+
+def test_top_n_mask_is_a_stable_sorts_first_n():
+    rng = np.random.default_rng(3)
+    x = rng.choice(np.float32([-np.inf, -1.0, -0.0, 0.0, 2.0, np.inf]), size=(5, 64))
+    x[0] = rng.normal(size=64)
+    n = np.array([0, 1, 17, 63, 64])[:, None]
+    got = np.asarray(eviction.top_n_mask(jnp.asarray(x), jnp.asarray(n)))
+    for i in range(5):
+        order = np.argsort(-(x[i] + np.float32(0.0)), kind="stable")
+        want = np.zeros(64, bool)
+        want[order[: n[i, 0]]] = True
+        np.testing.assert_array_equal(got[i], want)
+
+
 def test_each_layer_keeps_k_times_b_tokens_split_by_the_pooled_scores():
     cache = kvcache.init_cache(CFG, batch_size=2, capacity=24, stats=("attn",))
     _, cache = decoder.prefill(PARAMS, TOKENS[:, :24], cache, config=CFG)
