@@ -57,6 +57,7 @@ from jaxkv.kvcache import KVCache
 from jaxkv.policies import GRANULARITIES as POLICY_GRANULARITIES
 from jaxkv.policies import Policy, get_policy
 from jaxkv.policies.base import PROTOCOLS
+from jaxkv.topn import top_n_mask
 
 POOLED = ("adaptive", "global")  # granularities that pool rows' budgets (per layer, or all)
 GRANULARITIES = (*POLICY_GRANULARITIES, *POOLED)
@@ -351,41 +352,6 @@ def adaptive_budgets(
     best = top_n_mask(cand.reshape(L, B, K * C), (K * budget_B)[None, :, None])
     taken = usable & best.reshape(L, B, K, C)
     return jnp.sum(taken, axis=-1).astype(jnp.int32)
-
-
-def top_n_mask(x, n) -> jax.Array:
-    """The ``n`` largest entries of each last-axis vector of ``x``, ties to the lower index:
-    the first ``n`` of a stable descending sort, without the sort.
-
-    A bisection over the 32 bits of an order-preserving integer key finds each vector's n-th
-    largest value t (32 passes of one comparison each, instead of two argsorts of the whole
-    vector: the ``global`` pool of a 4K cache holds ~190K slots per sequence); then every
-    entry above t is taken, and the first ``n - #(> t)`` entries equal to t. ``-0.0`` counts
-    as ``0.0``, as in a sort's comparison.
-
-    Args:
-        x: [..., M] float scores.
-        n: int, broadcastable to ``x.shape[:-1] + (1,)``; 0 <= n <= M.
-
-    Returns:
-        [..., M] bool, ``n`` True per vector.
-    """
-    x = jnp.where(x == 0, 0.0, x.astype(jnp.float32))
-    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
-    sign = jnp.uint32(1 << 31)
-    key = jnp.where(bits >= sign, ~bits, bits | sign)  # unsigned order = float order
-    n = jnp.asarray(n, jnp.int32)
-
-    def bisect(i, t):  # the largest t with #(key >= t) >= n, one bit at a time from the top
-        trial = t | (sign >> i.astype(jnp.uint32))
-        enough = jnp.sum(key >= trial, axis=-1, keepdims=True) >= n
-        return jnp.where(enough, trial, t)
-
-    t = jax.lax.fori_loop(0, 32, bisect, jnp.zeros(key.shape[:-1] + (1,), jnp.uint32))
-    above = key > t
-    tied = key == t
-    need = n - jnp.sum(above, axis=-1, keepdims=True)
-    return above | (tied & (jnp.cumsum(tied, axis=-1) <= need))
 
 
 # One row per token set, as an index into [L, B, K, C] that keeps the axes.

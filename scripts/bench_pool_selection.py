@@ -1,4 +1,4 @@
-"""The pooled allocation's selection, side by side: ``eviction.top_n_mask`` (a bisection for
+"""The pooled allocation's selection, side by side: ``topn.top_n_mask`` (a bisection for
 each pool's n-th largest score) against the two stable argsorts it replaced, on the ``global``
 pool of a decode step at batch 8 and a 4K context (r = 0.25: 90 rows of 2,083 slots per
 sequence, 2,081 occupied, 1,041 kept per row on average). Both give the same mask (checked
@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv import eviction
+from jaxkv import topn
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 
@@ -45,7 +45,7 @@ def main() -> None:
     x[..., :: args.slots] = -np.inf  # one free slot per row
     x = jnp.asarray(x)
     n = jnp.full((1, args.batch, 1), args.rows * (args.slots // 2), jnp.int32)
-    variants = {"two argsorts": jax.jit(argsort_mask), "top_n_mask": jax.jit(eviction.top_n_mask)}
+    variants = {"two argsorts": jax.jit(argsort_mask), "top_n_mask": jax.jit(topn.top_n_mask)}
     outs = {k: np.asarray(jax.block_until_ready(f(x, n))) for k, f in variants.items()}
     same = np.array_equal(*outs.values())
     times = {k: [] for k in variants}

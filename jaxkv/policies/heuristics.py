@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from jaxkv.kvcache import KVCache
 from jaxkv.policies.base import TIER, Policy
+from jaxkv.topn import top_n_mask
 
 
 def protect_recent(scores_LBKC, cache: KVCache, n_recent_B: jax.Array) -> jax.Array:
@@ -29,9 +30,7 @@ def protect_attended(scores_LBKC, cache: KVCache, n_top_B: jax.Array) -> jax.Arr
     exactly ``min(n_top, occupied)`` per row (ties: the lower slot first). Other slots keep
     their [0, 1) scores."""
     attn, valid = cache.stats["attn"], cache.valid
-    order = jnp.argsort(jnp.where(valid, -attn, jnp.inf), axis=-1, stable=True)
-    first = jnp.arange(order.shape[-1]) < n_top_B[None, :, None, None]  # by place in order
-    top = jnp.put_along_axis(jnp.zeros_like(valid), order, first, axis=-1, inplace=False)
+    top = top_n_mask(jnp.where(valid, attn, -jnp.inf), n_top_B[None, :, None, None])
     return jnp.where(top & valid, TIER + unit_scale(attn, cache.pos), scores_LBKC)
 
 
