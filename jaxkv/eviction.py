@@ -341,16 +341,14 @@ def adaptive_budgets(
         return kept.reshape(B, L, K).transpose(1, 0, 2)
     L, B, K, C = scores_LBKC.shape
     s = jnp.where(pos_LBKC >= 0, scores_LBKC.astype(jnp.float32), -jnp.inf)
-    ranked = -jnp.sort(-s, axis=-1)  # each head's scores, best first
-    j = jnp.arange(C)
-    occupied = ranked > -jnp.inf
-    floor = floor_B[None, :, None, None]
-    cap = cap_B[None, :, None, None]
-    # a head's i-th best is a candidate while i < cap; its first ``floor`` are taken first
-    cand = jnp.where(occupied & (j < floor), jnp.inf, jnp.where(j < cap, ranked, -jnp.inf))
-    usable = occupied & (j < jnp.maximum(cap, floor))
+    occupied = s > -jnp.inf
+    # a head's floor best are taken first, and its cap best are its candidates (its rows are
+    # not sorted: each row's counts, all this returns, do not depend on where its ties sit)
+    first = occupied & top_n_mask(s, floor_B[None, :, None, None])
+    within = top_n_mask(s, cap_B[None, :, None, None])
+    cand = jnp.where(first, jnp.inf, jnp.where(within, s, -jnp.inf))
     best = top_n_mask(cand.reshape(L, B, K * C), (K * budget_B)[None, :, None])
-    taken = usable & best.reshape(L, B, K, C)
+    taken = occupied & (first | within) & best.reshape(L, B, K, C)
     return jnp.sum(taken, axis=-1).astype(jnp.int32)
 
 
