@@ -171,6 +171,44 @@ def test_fidelity_under_prefill_and_adaptive_with_the_oracle_and_critical(tmp_pa
     assert rows[("oracle", 0.5)]["kl_mean"] < rows[("h2o", 0.5)]["kl_mean"]
 
 
+def test_a_row_with_its_own_granularity_equals_a_run_with_it(tmp_path):
+    """``h2o@head`` and ``critical:snapkv@global`` beside ``tova`` at the run's ``layer``: each
+    row's per-window KL equals a run of that policy alone at that ``--granularity``, and the
+    per-head bounds apply to the pooled row only."""
+    base = ["fidelity", *TINY, *WINDOWS, "--limit", "2", "--ratios", "0.5", "--seeds", "0"]
+    policies = "full,h2o@head,tova,critical:snapkv@global"
+    mixed = [*base, "--policies", policies, "--granularity", "layer", "--head-floor", "0"]
+    assert _run(mixed, tmp_path / "mixed") == 0
+    rows = {r["policy"]: r for r in _load(tmp_path / "mixed", "fidelity")["records"]}
+    assert set(rows) == {"full", "h2o@head", "tova", "critical:snapkv@global"}
+    alone = [
+        ("h2o@head", ["h2o", "--granularity", "head"]),
+        ("tova", ["tova", "--granularity", "layer"]),
+        (
+            "critical:snapkv@global",
+            ["critical:snapkv", "--granularity", "global", "--head-floor", "0"],
+        ),
+    ]
+    for i, (label, flags) in enumerate(alone):
+        assert _run([*base, "--policies", *flags], tmp_path / str(i)) == 0
+        (record,) = _load(tmp_path / str(i), "fidelity")["records"]
+        assert rows[label]["kl_per_window"] == record["kl_per_window"]
+        assert rows[label]["kl_mean"] > 0.0
+
+
+def test_policy_items_parse_a_granularity_suffix():
+    groups = runner.parse_policies("h2o@head,rerank@0.5:h2o,critical:tova@global,snapkv")
+    assert [(g.label, g.granularity) for g in groups] == [
+        ("h2o@head", "head"),
+        ("rerank@0.5:h2o", None),
+        ("critical:tova@global", "global"),
+        ("snapkv", None),
+    ]
+    assert [g.selection("layer") for g in groups] == ["head", "layer", "global", "layer"]
+    with pytest.raises(ValueError, match="full cache keeps every token"):
+        runner.parse_policies("full@head")
+
+
 def test_learned_checkpoint_seeds_give_mean_and_std(model, tmp_path):
     seeds = tuple(
         learned_policy(init_mlp(key=jax.random.key(k)), name=f"l{k}", spec=(k,)) for k in (0, 1)
@@ -394,6 +432,8 @@ def test_longbench_end_to_end_and_malformed_line_keeps_partial_results(tmp_path,
         ),
         (["gsm8k", "--policies", "critical:h2o"], "critical:h2o is available in"),
         (["positions", "--policies", "h2o,oracle"], "oracle policy needs"),
+        (["retrieval", "--policies", "h2o@head"], "h2o@head: a granularity of its own"),
+        (["fidelity", "--policies", "h2o@layer", "--head-cap", "2"], "only with --granularity"),
     ],
 )
 def test_bad_input_gives_a_clear_error(args, message, tmp_path, capsys):
@@ -426,11 +466,12 @@ def test_default_job_and_subcommands():
     assert set(args.policies.split(",")) == {
         "full",
         "streaming_llm",
-        "h2o",
-        "snapkv",
-        "tova",
+        "critical:h2o@head",
+        "ranker:ranker_recall_tier_smollm2_cpu@global",
         "learned:distillcache_smollm2_cpu",
     }
+    groups = runner.parse_policies(args.policies)  # every shipped name resolves
+    assert [g.granularity for g in groups] == [None, None, "head", "global", None]
 
 
 def test_fidelity_evicts_every_k_steps_when_asked(tmp_path):

@@ -6,12 +6,13 @@ store; ``run_eval`` around it checks ``--out``, parses the shared flags into a
 ``runner.Job``, prints the table and turns errors into ``error: ...`` and exit status 2.
 
 With no arguments ``python -m jaxkv.eval`` runs the default main job (``DEFAULT_JOB``): a small
-fidelity comparison of the full cache, four heuristics (StreamingLLM, H2O, SnapKV, TOVA) and the
-shipped learned policy (``learned:distillcache_smollm2_cpu``) at r ∈ {0.25, 0.125} on the
-embedded model (4 held-out tinyshakespeare windows of 352 tokens: a 256-token prefix, then 96
-teacher-forced tokens; one seed), printing the table. Measured on the shared 2-core CPU under
-load (~3-6) from a cold start (process start, model load, ``JAXKV_NO_COMPILE_CACHE=1``, run):
-4.6 min wall, 2.5 min of CPU (the former default, 7 heuristics at 3 ratios, took 8.9).
+fidelity comparison of the full cache, StreamingLLM, CriticalKV-H2O per KV head
+(``critical:h2o@head``), the shipped recall-tier ranker in one pool for the whole cache
+(``ranker:ranker_recall_tier_smollm2_cpu@global``) and the shipped REINFORCE-trained policy
+(``learned:distillcache_smollm2_cpu``) at r ∈ {0.25, 0.125} on the embedded model (4 held-out
+tinyshakespeare windows of 352 tokens: a 256-token prefix, then 96 teacher-forced tokens; one
+seed), printing the table. Three compiled switches (one per granularity) per ratio; from a cold
+start on the quiet 2-core CPU (``JAXKV_NO_COMPILE_CACHE=1``): 227 s wall, 386 s of CPU.
 Compiled programs are cached on disk (``jaxkv.model.loading.cache_dir()/xla``;
 ``JAXKV_NO_COMPILE_CACHE=1`` turns that off), so later runs skip ~25-50 s of compilation per
 ratio. ``--policies`` with every heuristic and more ratios reproduces the paper's Fig. 1 (see
@@ -74,11 +75,12 @@ from jaxkv.model.loading import cache_dir
 from jaxkv.policies import CRITICAL_PREFIX, needs_window
 
 HEURISTICS = "random,streaming_llm,h2o,snapkv,tova,keydiff,knorm"
-SHIPPED_POLICY = "learned:distillcache_smollm2_cpu"
+SHIPPED_POLICY = "learned:distillcache_smollm2_cpu"  # REINFORCE, one decision for all heads
+SHIPPED_RANKER = "ranker:ranker_recall_tier_smollm2_cpu"  # the decode protocol's best
 DEFAULT_JOB = [
     "fidelity",
     "--policies",
-    "full,streaming_llm,h2o,snapkv,tova," + SHIPPED_POLICY,
+    f"full,streaming_llm,critical:h2o@head,{SHIPPED_RANKER}@global,{SHIPPED_POLICY}",
     "--ratios",
     "0.25,0.125",
     "--seeds",
@@ -133,7 +135,8 @@ def _common(parser: argparse.ArgumentParser, *, ratios: str, policies: str, limi
         "(the supervised per-head ranker: python -m jaxkv.train ranker), learned:<checkpoint> "
         "(a folder, or a checkpoint shipped in jaxkv/checkpoints/: "
         "learned:distillcache_smollm2_cpu); several checkpoints as the seeds of one row: "
-        "learned:a+b, ranker:a+b or a glob",
+        "learned:a+b, ranker:a+b or a glob; in fidelity, an item ending in @<granularity> "
+        "(critical:h2o@head) selects with that granularity instead of --granularity",
     )
     parser.add_argument("--ratios", default=ratios, help="budget ratios r in (0, 1], comma list")
     parser.add_argument(
@@ -191,6 +194,7 @@ def _job(args: argparse.Namespace, command: str) -> runner.Job:
 # reconstruction of each window's prompt (teacher forcing only); critical: reads the
 # model's W_o (bound after the model loads: ``runner.bind_groups``).
 ORACLE_COMMANDS = ("fidelity",)
+ROW_GRANULARITY_COMMANDS = ("fidelity",)  # where a --policies item may end in @<granularity>
 CRITICAL_COMMANDS = ("fidelity", "retrieval", "agreement")
 
 
@@ -202,6 +206,12 @@ def _check_families(groups, command: str) -> None:
             f"the {window[0]} policy needs a full-cache pass over each window of a fixed token "
             f"stream; only {', '.join(ORACLE_COMMANDS)} computes it"
             + (" (it is an upper bound, not a policy to run)" if window[0] == "oracle" else "")
+        )
+    own = [g.label for g in groups if g.granularity is not None]
+    if own and command not in ROW_GRANULARITY_COMMANDS:
+        raise ValueError(
+            f"{own[0]}: a granularity of its own (@...) runs in "
+            f"{', '.join(ROW_GRANULARITY_COMMANDS)} only; use --granularity"
         )
     critical = [p.name for p in members if p.name.startswith(CRITICAL_PREFIX)]
     if critical and command not in CRITICAL_COMMANDS:

@@ -5,8 +5,10 @@ Held-out text is cut into token windows (``tasks.text_windows``). For each windo
 is teacher-forced one token at a time (``generate.teacher_forced``, as in generation): with
 eviction after every step under the ``decode`` protocol (the paper's), with none under
 ``prefill`` (compress once, kvpress's). ``granularity`` is the selection's (shared, layer, head,
-adaptive: ``jaxkv.eviction``). At each step the pruned cache's next-token distribution Q is
-compared with the full cache's P on the same prefix:
+adaptive, global: ``jaxkv.eviction``); a row named ``<policy>@<granularity>`` selects with its own
+(``runner.parse_policies``), and the rows of each granularity share one compiled switch. At
+each step the pruned cache's next-token distribution Q is compared with the full cache's P on
+the same prefix:
 
 * ``kl_mean``: mean over steps and windows of KL(P || Q) in nats (``metrics.kl_divergence``);
 * ``ppl``: perplexity of the continuation tokens under Q; ``ppl_full`` under P;
@@ -111,6 +113,15 @@ class FidelitySettings:
         arguments."""
         given = {n: getattr(self, n) for n in COMPRESSION_OPTIONS}
         return {k: v for k, v in given.items() if v is not None}
+
+    def options_for(self, granularity: str) -> dict:
+        """``compression_options`` for a row selecting with ``granularity``: the per-head
+        bounds only where it pools rows (``adaptive``, ``global``)."""
+        options = self.compression_options
+        if granularity not in POOLED:
+            options.pop("head_floor", None)
+            options.pop("head_cap", None)
+        return options
 
     @property
     def cache_dtype(self) -> str | None:
@@ -246,7 +257,11 @@ def run(
         )
     targets = windows_NT[:, settings.prompt_len :]
     groups = runner.bind_groups(groups, model)
-    members = [p for g in groups if not g.is_full for p in g.members if not needs_window(p)]
+    switched = {}  # granularity -> the members that run behind one switch policy with it
+    for g in groups:
+        if not g.is_full:
+            gran = g.selection(settings.granularity)
+            switched.setdefault(gran, []).extend(p for p in g.members if not needs_window(p))
     n_cells = len(ratios) * sum(1 if g.is_full else len(g.runs(seeds)) for g in groups)
     exact = dataclasses.replace(settings, kv_dtype="model")
     with report.progress(n_cells + 1, desc=NAME) as bar:
@@ -256,26 +271,29 @@ def run(
         full_cell = _full_cell(model, windows_NT, ref, targets, settings, groups)
         bar.update()
         for ratio in ratios:
-            comp = None
-            if members:
-                comp = switch_compression(
-                    switch_policy(members, granularity=settings.granularity),
+            comps = {
+                gran: switch_compression(
+                    switch_policy(members, granularity=gran),
                     ratio=ratio,
                     min_budget=settings.min_budget,
                     protocol=settings.protocol,
-                    granularity=settings.granularity,
-                    **settings.compression_options,
+                    granularity=gran,
+                    **settings.options_for(gran),
                 )
+                for gran, members in switched.items()
+                if members
+            }
             for group in groups:
+                gran = group.selection(settings.granularity)
                 for member, seed in [(None, seeds[0])] if group.is_full else group.runs(seeds):
                     if member is None:
                         cell = full_cell
                     else:
                         if needs_window(member):
-                            member_comp, state = _alone(member, ratio, settings), None
+                            member_comp, state = _alone(member, ratio, settings, gran), None
                         else:
-                            member_comp = comp
-                            state = switch_state(members, members.index(member))
+                            member_comp = comps[gran]
+                            state = switch_state(switched[gran], switched[gran].index(member))
                         logits = stream_logits(
                             model,
                             windows_NT,
@@ -308,15 +326,15 @@ def _full_cell(model, windows_NT, ref, targets, settings: FidelitySettings, grou
     return _scores(ref, logits, targets)
 
 
-def _alone(policy, ratio: float, settings: FidelitySettings) -> Compression:
+def _alone(policy, ratio: float, settings: FidelitySettings, granularity: str) -> Compression:
     """The Compression of one policy run outside the switch (one that reads the window)."""
     return Compression(
         policy=policy,
         ratio=ratio,
         min_budget=settings.min_budget,
-        granularity=settings.granularity,
+        granularity=granularity,
         protocol=settings.protocol,
-        **settings.compression_options,
+        **settings.options_for(granularity),
     )
 
 
@@ -409,19 +427,21 @@ def _non_default_selection(settings: FidelitySettings) -> dict:
     }
 
 
-def check_selection(job: Job, **options) -> None:
-    """Every evicting policy of ``job`` supports its granularity and protocol, and the
-    ``Compression`` ``options`` are valid (raises the ``Compression`` error naming the policy,
-    before the model loads)."""
+def check_selection(job: Job, settings: FidelitySettings | None = None) -> None:
+    """Every evicting policy of ``job`` supports its row's granularity and the protocol, and
+    the ``Compression`` options of ``settings`` (None: none) are valid (raises the
+    ``Compression`` error naming the policy, before the model loads)."""
+    settings = settings or FidelitySettings()
     for group in job.groups:
+        gran = group.selection(job.granularity)
         for policy in group.members:
             if policy.evicts:
                 Compression(
                     policy=policy,
                     ratio=1.0,
-                    granularity=job.granularity,
+                    granularity=gran,
                     protocol=job.protocol,
-                    **options,
+                    **settings.options_for(gran),
                 )
 
 
@@ -475,9 +495,12 @@ def evaluate(
     check_prompt_len(window=window, prompt_len=prompt_len)
     pooling = {"head_floor": head_floor, "head_cap": head_cap}
     pooling = {k: v for k, v in pooling.items() if v is not None}
-    if pooling and job.granularity not in POOLED:
+    pooled = {g.selection(job.granularity) for g in job.groups if not g.is_full} & set(POOLED)
+    if pooling and not pooled and job.granularity not in POOLED:
         names = "/".join("--" + k.replace("_", "-") for k in pooling)
-        raise ValueError(f"{names}: only with --granularity adaptive or global")
+        raise ValueError(
+            f"{names}: only with --granularity adaptive or global (or a row's @adaptive/@global)"
+        )
     if evict_every is not None and job.protocol != "decode":
         raise ValueError("--evict-every: only with --protocol decode (prefill evicts once)")
     settings = FidelitySettings(
@@ -491,7 +514,7 @@ def evaluate(
         head_cap=head_cap,
         evict_every=evict_every,
     )
-    check_selection(job, **settings.compression_options)
+    check_selection(job, settings)
     if text is not None and wikitext is not None:
         raise ValueError("give a text file or WikiText, not both")
     body = None

@@ -4,7 +4,8 @@
   random-init ``ModelConfig.tiny()`` weights with ``ByteTokenizer`` (tests need no wheel).
 * ``parse_policies``: ``--policies`` items into ``PolicyGroup`` s. A group is one table row;
   its members are the seeds of a learned policy or ranker (``learned:a+b`` or a glob), and
-  the random policy is seeded through the run key.
+  the random policy is seeded through the run key. An item may end in ``@<granularity>``
+  (``critical:h2o@head``): that row's selection instead of the run's (fidelity only).
 * ``load_learned_policy``: the Policy that ``learned:<spec>`` names
   (``jaxkv.policies.learned.checkpoint_path``: an existing path, else the name of a checkpoint
   shipped in ``jaxkv/checkpoints/``), with a one-line ``ValueError`` for anything that is not a
@@ -156,16 +157,23 @@ class PolicyGroup:
         label: the name in tables (``"h2o"``, ``"learned"``, ...).
         members: one Policy per seed (several checkpoints of a learned policy), else one.
         seeded: the run key changes its choices (the random policy), so it runs once per seed.
+        granularity: the row's own selection granularity (an ``@<granularity>`` suffix); None:
+            the run's.
     """
 
     label: str
     members: tuple[Policy, ...]
     seeded: bool = False
+    granularity: str | None = None
 
     @property
     def is_full(self) -> bool:
         """True for the full cache (no eviction): the reference itself."""
         return not self.members[0].evicts
+
+    def selection(self, default: str) -> str:
+        """The granularity this row selects with: its own, else ``default`` (the run's)."""
+        return self.granularity or default
 
     def runs(self, seeds: Sequence[int]) -> list[tuple[Policy, int]]:
         """(member, seed) pairs to evaluate: every seed for seeded groups, else seed 0 once."""
@@ -234,24 +242,43 @@ def parse_policies(text: str) -> list[PolicyGroup]:
 
     A learned or ranker item may name several checkpoints (its seeds) as ``learned:a+b`` or with
     a glob pattern (``ranker:runs/seed*``); they become one row with mean ± std over them,
-    labelled with the spec as given (so several seed groups can be compared in one run).
+    labelled with the spec as given (so several seed groups can be compared in one run). An
+    item ending in ``@<granularity>`` (one of ``eviction.GRANULARITIES``) selects with that
+    granularity instead of the run's; the suffix stays in its label.
 
     Raises:
         ValueError: unknown policy (listing the valid ones), a learned or ranker pattern
-            matching nothing, or a checkpoint that cannot be loaded (with the reason).
+            matching nothing, a checkpoint that cannot be loaded (with the reason), or a
+            granularity on ``full``.
     """
     groups = []
     for item in parse_list(text, kind=str, what="--policies"):
-        prefix, _, spec = item.partition(":")
+        name, granularity = _split_granularity(item)
+        prefix, _, spec = name.partition(":")
         if prefix == "learned" or (prefix == "ranker" and _names_seeds(spec)):
-            groups.append(_seed_group(prefix, spec))
+            group = _seed_group(prefix, spec)
         else:
-            seeded = item.split(":")[-1] == "random"  # random, critical:random
-            groups.append(PolicyGroup(item, (get_policy(item),), seeded=seeded))
+            seeded = name.split(":")[-1] == "random"  # random, critical:random
+            group = PolicyGroup(name, (get_policy(name),), seeded=seeded)
+        if granularity is not None:
+            if group.is_full:
+                raise ValueError(f"{item}: the full cache keeps every token; drop the @")
+            label = f"{group.label}@{granularity}"
+            group = dataclasses.replace(group, label=label, granularity=granularity)
+        groups.append(group)
     labels = [g.label for g in groups]
     if len(set(labels)) != len(labels):
         raise ValueError(f"--policies names a policy twice: {labels}")
     return groups
+
+
+def _split_granularity(item: str) -> tuple[str, str | None]:
+    """``"h2o@head"`` -> ``("h2o", "head")``; an item without a granularity suffix (``"h2o"``,
+    ``"rerank@0.5:ranker:x"``) -> ``(item, None)``."""
+    name, at, tail = item.rpartition("@")
+    if at and tail in eviction.GRANULARITIES:
+        return name, tail
+    return item, None
 
 
 def _names_seeds(spec: str) -> bool:
