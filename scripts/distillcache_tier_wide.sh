@@ -15,11 +15,7 @@ case "${1:-}" in
   select)
     candidates=()
     for f in 0.625 0.75 0.875; do
-      staged=runs/distillcache_tier_wide/tier_$f
-      [[ -f $staged/ranker.json ]] || "$py" -c "
-from jaxkv.policies.ranker import retier
-retier('ranker_recall_smollm2_cpu', '$staged', attended_fraction=$f)"
-      candidates+=("ranker:$staged=$staged")
+      candidates+=("$(tier_candidate runs/distillcache_tier_wide/tier_$f "$f")")
     done
     policies=$(IFS=,; echo "${candidates[*]%%=*}")
     domain_check "$out" "ranker:$shipped,$policies"

@@ -31,6 +31,14 @@ prose_tail_check() {  # OUT GRANULARITY POLICIES: decode-protocol fidelity at r 
     --protocol decode --granularity "$2" --policies "$3"
 }
 
+tier_candidate() {  # DIR F: the recall ranker's params with an attended tier of F, saved once
+  # as DIR (ranker.retier); prints the candidate as POLICY=CHECKPOINT for the tier protocols
+  [[ -f $1/ranker.json ]] || "$py" -c "
+from jaxkv.policies.ranker import retier
+retier('ranker_recall_smollm2_cpu', '$1', attended_fraction=$2)" >&2
+  echo "ranker:$1=$1"
+}
+
 domain_check() {  # OUT POLICIES: decode-protocol fidelity, global granularity, r = 0.25 and
   # 0.125, on 4 windows of each training domain's text (runs/retrieval_attended/<domain>.txt,
   # written once) into OUT/check_<domain>: the tier protocols' training-domain check.

@@ -16,11 +16,7 @@ case "${1:-}" in
   select)
     candidates=("ranker:$eighth=jaxkv/checkpoints/$eighth")
     for f in 0.25 0.5; do
-      staged=runs/retrieval_tier/tier_$f
-      [[ -f $staged/ranker.json ]] || "$py" -c "
-from jaxkv.policies.ranker import retier
-retier('ranker_recall_smollm2_cpu', '$staged', attended_fraction=$f)"
-      candidates+=("ranker:$staged=$staged")
+      candidates+=("$(tier_candidate runs/retrieval_tier/tier_$f "$f")")
     done
     policies=$(IFS=,; echo "${candidates[*]%%=*}")
     domain_check "$out" "$recall,$policies"
