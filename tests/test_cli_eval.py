@@ -62,13 +62,12 @@ def _old_results(out: Path) -> str:
 # 1. the main job
 
 
-def test_main_job_default_includes_the_shipped_learned_policies_and_no_out():
+def test_main_job_default_includes_the_shipped_learned_policy_and_no_out():
     args = eval_lib.build_parser().parse_args(suite.DEFAULT_JOB)
     assert args.command == "fidelity" and args.model == "smollm2-135m"
     policies = args.policies.split(",")
     assert "learned:distillcache_smollm2_cpu" in policies
-    assert "ranker:ranker_recall_tier_smollm2_cpu@global" in policies
-    assert {"full", "streaming_llm", "critical:h2o@head"} <= set(policies)
+    assert {"full", "streaming_llm", "h2o", "snapkv", "tova"} <= set(policies)
     assert args.ratios == "0.25,0.125" and args.out is None
 
 

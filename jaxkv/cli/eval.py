@@ -1,8 +1,8 @@
 """``python -m jaxkv.eval``: evaluation and generation from the command line.
 
-With no arguments: the main job, a small fidelity comparison of the full cache, two heuristics
-and the two shipped learned policies on the embedded model (``jaxkv.cli.suite.DEFAULT_JOB``),
-written to a new ``runs/fidelity-<YYYYmmdd-HHMMSS>/``.
+With no arguments: the main job, a small fidelity comparison of the full cache, four heuristics
+and the shipped learned policy on the embedded model (``jaxkv.cli.suite.DEFAULT_JOB``), written
+to a new ``runs/fidelity-<YYYYmmdd-HHMMSS>/``.
 
 Every flag is checked before the model loads: ``generate --budget 0`` says "must be an integer
 >= 1", ``--ratio``/``--budget``/``--min-budget``/``--granularity``/``--evict-every``/``--protocol``
