@@ -19,7 +19,7 @@ case "${1:-}" in
     done
     policies=$(IFS=,; echo "${candidates[*]%%=*}")
     domain_check "$out" "ranker:$shipped,$policies"
-    "$py" scripts/distillcache_tier_wide_select.py "$out" "${candidates[@]}" "jaxkv/checkpoints/$wide" ;;
+    "$py" scripts/distillcache_decode_select.py "$out" "${candidates[@]}" --ship "jaxkv/checkpoints/$wide" ;;
   heldout)
     [[ -f jaxkv/checkpoints/$wide/ranker.json ]] || { echo "nothing shipped: see $0 select" >&2; exit 2; }
     text=runs/distillcache_tier_wide/heldout.txt

@@ -123,3 +123,79 @@ def test_blend_weights_zero_and_one_are_kvzip_and_rerank():
 def test_bad_blend_names_are_refused(bad):
     with pytest.raises(ValueError, match="rerank"):
         get_policy(bad)
+
+
+def test_rank_blend_against_brute_force():
+    rng = np.random.default_rng(2)
+    alloc = rng.random((2, 3, 2, 11))
+    alloc[..., :2] += TIER  # protected slots
+    alloc[..., 5] = alloc[..., 6]  # ties in both orders
+    other = rng.integers(0, 4, size=alloc.shape).astype(float)
+    valid = rng.random(alloc.shape) > 0.2
+    valid[..., :2] = True
+    got = np.asarray(rerank_lib.rank_blend(alloc, other, valid, 0.3))
+    for idx in np.ndindex(alloc.shape[:-1]):
+        a, o, v = alloc[idx], other[idx], valid[idx]
+        free = [c for c in np.flatnonzero(v) if a[c] < TIER]
+        ra, rb = ({c: k for k, c in enumerate(sorted(free, key=lambda c, x=x: (-x[c], c)))}
+                  for x in (a, o))  # fmt: skip
+        protected = sorted((c for c in np.flatnonzero(v) if a[c] >= TIER), key=lambda c: -a[c])
+        slots = protected + sorted(free, key=lambda c: (0.7 * ra[c] + 0.3 * rb[c], ra[c]))
+        want = np.full(a.shape, -np.inf)
+        want[slots] = sorted(a[v], reverse=True)
+        np.testing.assert_allclose(got[idx], want, rtol=1e-6)
+
+
+def _decode_kept(name: str, budget=6):
+    """Tokens each row keeps after one global decode-protocol eviction of a prefilled cache."""
+    policy = get_policy(name)
+    cache = kvcache.init_cache(CFG, batch_size=2, capacity=PROMPT, stats=policy.stats)
+    _, cache = decoder.prefill(PARAMS, WINDOWS[:, :PROMPT], cache, config=CFG)
+    comp = Compression.make(name, budget=budget, granularity="global", protocol="decode")
+    pos = np.asarray(eviction.evict(cache, comp, policy.init(), key=None).pos)
+    return [frozenset(int(p) for p in pos[idx] if p >= 0) for idx in np.ndindex(pos.shape[:-1])]
+
+
+def test_blend_keeps_a_s_counts_and_its_ends_are_a_and_b_s_order():
+    h2o = _decode_kept("h2o")
+    assert _decode_kept("blend@0:h2o+tova") == h2o  # weight 0 is the allocator itself
+    for w in ("0.5", "1"):
+        kept = _decode_kept(f"blend@{w}:h2o+tova")
+        assert [len(s) for s in kept] == [len(s) for s in h2o]  # h2o's allocation
+    assert _decode_kept("blend@1:h2o+tova") != h2o
+    assert len({len(s) for s in h2o}) > 1  # the allocation is uneven, so the counts test something
+    # weight 1 keeps, in each row, h2o's protected slots, then tova's best
+    policy, inner = get_policy("h2o"), get_policy("tova")
+    stats = get_policy("blend@1:h2o+tova").stats
+    cache = kvcache.init_cache(CFG, batch_size=2, capacity=PROMPT, stats=stats)
+    _, cache = decoder.prefill(PARAMS, WINDOWS[:, :PROMPT], cache, config=CFG)
+    budget_B = Compression.make("h2o", budget=6, granularity="global").budget_for(cache.length)
+    a = np.asarray(policy.score(None, cache, budget_B=budget_B, key=None))
+    b = np.broadcast_to(np.asarray(inner.score(None, cache, budget_B=budget_B, key=None)), a.shape)
+    kept = _decode_kept("blend@1:h2o+tova")
+    for r, idx in enumerate(np.ndindex(a.shape[:-1])):
+        prot = [c for c in range(PROMPT) if a[idx][c] >= TIER]
+        free = sorted((c for c in range(PROMPT) if a[idx][c] < TIER), key=lambda c: -b[idx][c])
+        assert kept[r] == set((sorted(prot, key=lambda c: -a[idx][c]) + free)[: len(h2o[r])])
+
+
+def test_blend_binds_the_model_and_runs_in_fidelity(tmp_path):
+    name = "blend@0.5:ranker:ranker_smollm2_cpu+critical:h2o"
+    policy = get_policy(name)
+    assert policy.name == name and policy.protocols == ("decode", "prefill")
+    with pytest.raises(ValueError, match="W_o"):
+        policy.init()
+    args = ["fidelity", "--model", "tiny", "--policies", f"full,{name},{name}@head", "--limit",
+            "1", "--window", "40", "--prompt-len", "24", "--ratios", "0.5", "--granularity",
+            "global", "--out", str(tmp_path / "run")]  # fmt: skip
+    assert eval_lib.main(args) == 0
+    assert eval_lib.main(["gsm8k", "--model", "tiny", "--policies", name, "--limit", "1"]) == 2
+
+
+@pytest.mark.parametrize(
+    "bad", ["blend@2:h2o+tova", "blend@x:h2o+tova", "blend@0.5:h2o", "blend@0.5:+tova",
+            "blend@0.5:h2o+oracle", "blend@0.5:full+tova", "blend@0.5:h2o+kvzip"]
+)  # fmt: skip
+def test_bad_mix_names_are_refused(bad):
+    with pytest.raises(ValueError, match="blend"):
+        get_policy(bad)

@@ -1,4 +1,4 @@
-"""The held-out protocols' selection rule and table (``scripts/distillcache_tier_wide_select.py``,
+"""The held-out protocols' selection rule and table (``scripts/distillcache_decode_select.py``,
 ``scripts/distillcache_confirm_report.py``) on hand-made result files: the rule's bounds decide
 as PROTOCOL.md says, and a report restricted to the runs a protocol planned names no others."""
 
@@ -24,8 +24,9 @@ def _fidelity(path: Path, kl: dict, *, per_window: int = 0) -> None:
     (path / "fidelity.json").write_text(json.dumps(doc))
 
 
-def _select(tmp_path: Path, ratios: dict) -> tuple[str, Path]:
-    """Runs the rule on 4 domains where candidate c has KL ``ratios[c][r]`` × the base's."""
+def _select(tmp_path: Path, ratios: dict, *, checkpoints: bool = True) -> tuple[str, Path]:
+    """Runs the rule on 4 domains where candidate c has KL ``ratios[c][r]`` × the base's (each
+    with a checkpoint to ship, or a policy name only)."""
     for domain in ("chat", "code", "math", "prose"):
         kl = {(BASE, r): 1.0 for r in (0.25, 0.125)}
         kl |= {(c, r): x for c, by in ratios.items() for r, x in by.items()}
@@ -34,8 +35,9 @@ def _select(tmp_path: Path, ratios: dict) -> tuple[str, Path]:
         (tmp_path / c).mkdir()
         (tmp_path / c / "ranker.json").write_text("{}")
     shipped = tmp_path / "shipped"
-    args = [f"{c}={tmp_path / c}" for c in ratios]
-    cmd = [sys.executable, SCRIPTS / "distillcache_tier_wide_select.py", tmp_path, *args, shipped]
+    args = [f"{c}={tmp_path / c}" if checkpoints else c for c in ratios]
+    ship = ["--ship", shipped] if checkpoints else []
+    cmd = [sys.executable, SCRIPTS / "distillcache_decode_select.py", tmp_path, *args, *ship]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     return out.split("Verdict: ", 1)[1], shipped
 
@@ -50,12 +52,14 @@ def _select(tmp_path: Path, ratios: dict) -> tuple[str, Path]:
         ({"a": {0.25: 1.05, 0.125: 0.5}}, None),  # none admissible
     ],
 )
-def test_tier_wide_rule(tmp_path, ratios, winner):
-    verdict, shipped = _select(tmp_path, ratios)
+@pytest.mark.parametrize("checkpoints", [True, False])
+def test_decode_rule(tmp_path, ratios, winner, checkpoints):
+    verdict, shipped = _select(tmp_path, ratios, checkpoints=checkpoints)
     if winner is None:
-        assert "nothing ships" in verdict and not shipped.exists()
+        assert "nothing ships" in verdict
     else:
-        assert verdict.startswith(f"`{winner}` wins") and (shipped / "ranker.json").exists()
+        assert verdict.startswith(f"`{winner}` wins and ships")
+    assert (shipped / "ranker.json").exists() == (checkpoints and winner is not None)
 
 
 def test_report_names_only_the_planned_runs(tmp_path):

@@ -129,7 +129,8 @@ def _common(parser: argparse.ArgumentParser, *, ratios: str, policies: str, limi
         "expected_attention, critical:<policy> (CriticalKV over a policy; fidelity, retrieval, "
         "agreement), oracle (future-attention upper bound; fidelity only), kvzip, "
         "rerank:<policy> / rerank@<w>:<policy> (kvzip's allocation, the policy's order or its "
-        "blend with kvzip's; fidelity --protocol prefill only), ranker:<checkpoint> "
+        "blend with kvzip's; fidelity --protocol prefill only), blend@<w>:<a>+<b> (a's "
+        "allocation, each row ordered by a's and b's ranks, w on b's), ranker:<checkpoint> "
         "(the supervised per-head ranker: python -m jaxkv.train ranker), learned:<checkpoint> "
         "(a folder, or a checkpoint shipped in jaxkv/checkpoints/: "
         "learned:distillcache_smollm2_cpu); several checkpoints as the seeds of one row: "
@@ -211,7 +212,7 @@ def _check_families(groups, command: str) -> None:
             f"{own[0]}: a granularity of its own (@...) runs in "
             f"{', '.join(ROW_GRANULARITY_COMMANDS)} only; use --granularity"
         )
-    critical = [p.name for p in members if p.name.startswith(CRITICAL_PREFIX)]
+    critical = [p.name for p in members if CRITICAL_PREFIX in p.name]  # blend@...+critical:
     if critical and command not in CRITICAL_COMMANDS:
         raise ValueError(
             f"{critical[0]} is available in {', '.join(CRITICAL_COMMANDS)} and generate, "

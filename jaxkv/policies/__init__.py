@@ -9,11 +9,13 @@ context-reconstruction scores, fidelity's prefill protocol only: ``jaxkv.policie
 ``ranker:<checkpoint>`` (the supervised per-head ranker: ``jaxkv.policies.ranker``),
 ``rerank:<policy>`` (kvzip's allocation across rows, the policy's order within each:
 ``jaxkv.policies.rerank``), ``rerank@<w>:<policy>`` (the same with a blend of the policy's
-and kvzip's order, weight w on the policy's), or
+and kvzip's order, weight w on the policy's), ``blend@<w>:<a>+<b>`` (a's allocation, each row
+ordered by a's and b's ranks, weight w on b's: ``jaxkv.policies.rerank``), or
 ``learned:<checkpoint>`` (a folder written by ``python -m jaxkv.train distillcache``, or the
 name of a checkpoint shipped in ``jaxkv/checkpoints/``, e.g. ``learned:distillcache_smollm2_cpu``).
 
-Policies that read the model's weights (``critical:``, ``ranker:``) are built unbound, before
+Policies that read the model's weights (``critical:``, ``ranker:``, a ``blend@`` of them) are
+built unbound, before
 any model loads; ``with_model(policy, params)`` binds them (any other policy comes back
 unchanged).
 """
@@ -40,6 +42,7 @@ CRITICAL_PREFIX = critical.PREFIX
 RANKER_PREFIX = ranker.PREFIX
 RERANK_PREFIX = rerank.PREFIX
 RERANK_PREFIXES = (rerank.PREFIX, rerank.WEIGHTED)
+BLEND_PREFIX = rerank.MIX
 
 _REGISTRY: dict[str, Callable[..., Policy]] = {
     "full": heuristics.full,
@@ -65,6 +68,7 @@ def policy_names() -> list[str]:
         RANKER_PREFIX + "<checkpoint>",
         RERANK_PREFIX + "<policy>",
         rerank.WEIGHTED + "<w>:<policy>",
+        BLEND_PREFIX + "<w>:<a>+<b>",
     ]
 
 
@@ -87,6 +91,9 @@ def get_policy(name: str, **settings) -> Policy:
         return learned.load_learned(name.removeprefix(LEARNED_PREFIX), **settings)
     if name.startswith(RANKER_PREFIX):
         return ranker.load_ranker(name.removeprefix(RANKER_PREFIX), **settings)
+    if name.startswith(BLEND_PREFIX):
+        weight, a, b = rerank.parse_mix(name)
+        return rerank.mix(get_policy(a, **settings), get_policy(b), weight=weight)
     if name.startswith(RERANK_PREFIXES):
         weight, inner = rerank.parse(name)
         return rerank.rerank(get_policy(inner, **settings), weight=weight)
@@ -96,10 +103,10 @@ def get_policy(name: str, **settings) -> Policy:
 
 
 def with_model(policy: Policy, params: dict) -> Policy:
-    """``policy`` bound to the model ``params`` it reads (``critical:`` and ``ranker:`` read
-    W_o); any other policy unchanged. The bound policy equals the unbound one (same jit
-    cache); only its ``init`` differs."""
-    if not policy.name.startswith((CRITICAL_PREFIX, RANKER_PREFIX)):
+    """``policy`` bound to the model ``params`` it reads (``critical:``, ``ranker:`` and blends
+    of them read W_o); any other policy unchanged. The bound policy equals the unbound one
+    (same jit cache); only its ``init`` differs."""
+    if not rerank.reads_weights(policy):
         return policy
     wo = weights_int8.dense(params["layers"]["wo"])  # int8 weights: their dequantized W_o
     init = functools.partial(policy.init, wo_LNHD=wo)
@@ -114,6 +121,7 @@ def needs_window(policy: Policy) -> bool:
 
 
 __all__ = [
+    "BLEND_PREFIX",
     "CRITICAL_PREFIX",
     "GRANULARITIES",
     "RANKER_PREFIX",

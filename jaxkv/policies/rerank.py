@@ -23,6 +23,14 @@ Like kvzip it compresses once (``prefill`` protocol) and only the fidelity evalu
 its state (``window_input="reconstruction"``); the inner policy may read the reconstruction
 too (a ranker with kvzip's features). Inner policies that read the model's weights
 (``critical:``, a ranker on ``log_wo_vnorm``) are not supported.
+
+``blend@<w>:<a>+<b>`` is the same idea for any two cache-scoring policies, in either protocol:
+``a`` allocates (each row keeps its multiset of ``a``'s scores, so a pooled selection keeps
+``a``'s count per row) and each row is ordered by the weighted mean of the two policies' ranks
+within it, ``(1 - w)`` × ``a``'s + ``w`` × ``b``'s, ties going to ``a``'s order
+(``rank_blend``). Ranks, not scores, because the two scales need not be comparable (a
+heuristic's protected tier sits ``TIER`` above its other scores). ``w = 0`` is ``a``; ``w = 1``
+is ``b``'s order in ``a``'s allocation. ``a``'s protected slots stay first.
 """
 
 from __future__ import annotations
@@ -31,10 +39,12 @@ import jax.numpy as jnp
 
 from jaxkv.policies import critical as critical_lib
 from jaxkv.policies import kvzip as kvzip_lib
+from jaxkv.policies import ranker as ranker_lib
 from jaxkv.policies.base import TIER, Policy
 
 PREFIX = "rerank:"
 WEIGHTED = "rerank@"  # rerank@<w>:<policy>
+MIX = "blend@"  # blend@<w>:<a>+<b>
 
 
 def transplant(alloc_LBKC: jnp.ndarray, order_LBKC: jnp.ndarray, valid_LBKC) -> jnp.ndarray:
@@ -71,6 +81,96 @@ def blend(order_LBKC, recon_LBKC, valid_LBKC, weight: float) -> jnp.ndarray:
     z = lambda x: row_z(x.astype(jnp.float32), valid_LBKC)  # noqa: E731
     mixed = weight * z(order_LBKC) + (1.0 - weight) * z(log_recon)
     return jnp.where(valid_LBKC, mixed, -jnp.inf)
+
+
+def row_ranks(score_LBKC: jnp.ndarray, mask_LBKC) -> jnp.ndarray:
+    """Each ``mask``ed slot's rank among its row's ``mask``ed slots by ``score`` (0 = highest;
+    ties: the lower slot first); the other slots get the row's length."""
+    s = jnp.where(mask_LBKC, score_LBKC.astype(jnp.float32), -jnp.inf)
+    rank = jnp.argsort(jnp.argsort(-s, axis=-1, stable=True), axis=-1)
+    return jnp.where(mask_LBKC, rank, s.shape[-1])
+
+
+def rank_blend(alloc_LBKC, other_LBKC, valid_LBKC, weight: float) -> jnp.ndarray:
+    """``alloc``'s scores, each row's multiset kept, reordered within the row: ``alloc``'s
+    protected slots (>= TIER) first, then the other valid slots by ``(1 - weight)`` × their rank
+    by ``alloc`` + ``weight`` × their rank by ``other`` (both among those slots), ties by
+    ``alloc``'s rank. Invalid slots get -inf."""
+    free = valid_LBKC & (alloc_LBKC < TIER)
+    own = row_ranks(alloc_LBKC, free)
+    mixed = (1.0 - weight) * own + weight * row_ranks(other_LBKC, free)
+    slots = jnp.lexsort((own, mixed), axis=-1)  # best first: by the mean rank, then by own
+    order = -jnp.argsort(slots, axis=-1).astype(jnp.float32)
+    return transplant(alloc_LBKC, order, valid_LBKC)
+
+
+def parse_mix(name: str) -> tuple[float, str, str]:
+    """``(weight, a, b)`` of ``blend@<w>:<a>+<b>``.
+
+    Raises:
+        ValueError: a weight that is not a number in [0, 1], or not two policy names.
+    """
+    head, _, pair = name.removeprefix(MIX).partition(":")
+    a, _, b = pair.partition("+")
+    try:
+        weight = float(head)
+    except ValueError:
+        weight = float("nan")
+    if not 0.0 <= weight <= 1.0 or not a or not b:
+        raise ValueError(f"{name!r}: write blend@<w>:<a>+<b> with w in [0, 1] and two policies")
+    return weight, a, b
+
+
+def reads_weights(policy: Policy) -> bool:
+    """True for the policies whose ``init`` takes the model's W_o (``wo_LNHD``):
+    ``critical:``, ``ranker:`` and blends of them (``jaxkv.policies.with_model``)."""
+    return policy.name.startswith((critical_lib.PREFIX, ranker_lib.PREFIX, MIX))
+
+
+def mix(alloc: Policy, other: Policy, *, weight: float) -> Policy:
+    """``alloc``'s allocation across rows, each row ordered by the ``rank_blend`` of ``alloc``'s
+    and ``other``'s ranks at ``weight`` on ``other``'s (module docstring). Runs where both
+    run (protocols, granularities); its state is the two states, its statistics both sets.
+
+    Raises:
+        ValueError: a policy that does not evict, needs a window's future or reconstruction,
+            or reads ``recent`` statistics over a window of another length.
+    """
+    for p in (alloc, other):
+        if not p.evicts or p.window_input is not None or p.name.startswith(MIX):
+            raise ValueError(f"blend: needs two cache-scoring policies, got {p.name!r}")
+    if alloc.window != other.window:
+        raise ValueError(
+            f"blend: {alloc.name!r} and {other.name!r} read recent statistics over windows "
+            f"of {alloc.window} and {other.window} tokens"
+        )
+
+    def init(wo_LNHD=None):
+        return tuple(p.init(wo_LNHD=wo_LNHD) if reads_weights(p) else p.init() for p in pair)
+
+    def score(state, cache, **kw):
+        a, b = (
+            jnp.broadcast_to(s[None, :, None, :] if s.ndim == 2 else s, cache.pos.shape)
+            for s in (p.score(st, cache, **kw) for p, st in zip(pair, state, strict=True))
+        )
+        return rank_blend(a, b, cache.valid, weight)
+
+    pair = (alloc, other)
+    both = lambda field: tuple(x for x in getattr(alloc, field) if x in getattr(other, field))  # noqa: E731
+    return Policy(
+        f"{MIX}{weight:g}:{alloc.name}+{other.name}",
+        score=score,
+        init=init,
+        granularities=both("granularities"),
+        protocols=both("protocols"),
+        window=alloc.window,
+        stats=tuple(dict.fromkeys(alloc.stats + other.stats)),
+        spec=(
+            ("alloc", (alloc.name, alloc.spec)),
+            ("other", (other.name, other.spec)),
+            ("weight", weight),
+        ),  # fmt: skip
+    )
 
 
 def parse(name: str) -> tuple[float, str]:

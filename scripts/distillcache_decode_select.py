@@ -1,11 +1,13 @@
-"""The selection rule of results/distillcache_tier_wide/PROTOCOL.md: among the wider attended
-tiers, a candidate is admissible if its KL over the shipped tier's (F = 0.5) has a geometric
-mean of at most 1.02 over the four training domains at r = 0.25; the admissible one with the
-lowest geometric mean at r = 0.125 wins, and ships only if that mean is at most 0.97.
+"""The decode protocols' selection rule (results/distillcache_tier_wide/PROTOCOL.md,
+results/distillcache_blend_decode/PROTOCOL.md): a candidate is admissible if its KL over the
+shipped recall-tier ranker's has a geometric mean of at most 1.02 over the four training
+domains at r = 0.25; the admissible one with the lowest geometric mean at r = 0.125 wins, and
+ships only if that mean is at most 0.97.
 
-Usage: python scripts/distillcache_tier_wide_select.py RESULTS_DIR CANDIDATE=CHECKPOINT... SHIPPED
-(reads RESULTS_DIR/check_*/fidelity.json; writes RESULTS_DIR/select.md; copies the winner's
-checkpoint to SHIPPED). The verdict is printed.
+Usage: python scripts/distillcache_decode_select.py RESULTS_DIR CANDIDATE[=CHECKPOINT]...
+[--ship DIR] (reads RESULTS_DIR/check_*/fidelity.json; writes RESULTS_DIR/select.md; copies a
+winner's checkpoint to DIR; a candidate without one, e.g. a blend, ships by name). The verdict
+is printed.
 """
 
 from __future__ import annotations
@@ -41,10 +43,12 @@ def kl_ratios(results_dir: Path, policies: list[str]) -> dict[float, dict[str, l
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("results_dir", type=Path)
-    ap.add_argument("candidates", nargs="+", help="POLICY=CHECKPOINT_DIR")
-    ap.add_argument("shipped", type=Path)
+    ap.add_argument("candidates", nargs="+", help="POLICY or POLICY=CHECKPOINT_DIR")
+    ap.add_argument("--ship", type=Path, default=None, help="where a winner's checkpoint goes")
     args = ap.parse_args()
-    paths = dict(c.split("=", 1) for c in args.candidates)
+    paths = dict((*c.split("=", 1), None)[:2] for c in args.candidates)
+    if args.ship is None and any(paths.values()):
+        ap.error("candidates with checkpoints need --ship DIR")
     ratios = kl_ratios(args.results_dir, list(paths))
     gm = {r: {p: statistics.geometric_mean(v) for p, v in by.items()} for r, by in ratios.items()}
     admissible = [p for p in paths if gm[0.25][p] <= ADMIT]
@@ -57,7 +61,7 @@ def main() -> None:
             "nothing ships, no held-out run"
         )
     else:
-        verdict = f"`{best}` wins and ships as `{args.shipped.name}`"
+        verdict = f"`{best}` wins and ships" + (f" as `{args.ship.name}`" if paths[best] else "")
     rows = [
         f"| `{p}` | {gm[0.25][p]:.3f} | {'yes' if p in admissible else 'no'} | "
         f"{gm[0.125][p]:.3f} | " + " ".join(f"{x:.3f}" for x in ratios[0.125][p]) + " |"
@@ -65,9 +69,9 @@ def main() -> None:
     ]
     text = "\n".join(
         [
-            "# A wider attended tier, chosen on the training domains (PROTOCOL.md)",
+            "# Decode candidates, chosen on the training domains (PROTOCOL.md)",
             "",
-            f"KL over `{BASE}`'s (F = 0.5), decode protocol, global granularity, 4 windows of "
+            f"KL over `{BASE}`'s, decode protocol, global granularity, 4 windows of "
             "each training domain (chat, code, math, prose: the order of the last column).",
             "",
             f"| candidate | geometric mean, r = 0.25 | admissible (<= {ADMIT}) | "
@@ -80,8 +84,9 @@ def main() -> None:
         ]
     )
     (args.results_dir / "select.md").write_text(text)
-    if best is not None and gm[0.125][best] <= SHIP and not args.shipped.exists():
-        shutil.copytree(Path(paths[best]), args.shipped)
+    won = best is not None and gm[0.125][best] <= SHIP
+    if won and paths[best] and not args.ship.exists():
+        shutil.copytree(Path(paths[best]), args.ship)
     print(text)
 
 

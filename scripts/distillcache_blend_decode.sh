@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# results/distillcache_blend_decode/PROTOCOL.md: `select` scores the recall-tier ranker's
+# allocation with its order blended with critical:h2o's (w = 0.25, 0.5, 0.75, 1) against the
+# ranker alone on the training domains and names the winner, if any; `heldout` runs
+# decode-protocol fidelity on unread BIG-Bench Hard windows (--heldout 0.125), once, and writes
+# its table (tables.md). A finished run is skipped (delete its folder to redo it).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+py=${PYTHON:-.venv/bin/python}
+source scripts/lib.sh
+out=${OUT:-results/distillcache_blend_decode}
+shipped=ranker:ranker_recall_tier_smollm2_cpu
+candidates=()
+for w in 0.25 0.5 0.75 1; do candidates+=("blend@$w:$shipped+critical:h2o"); done
+case "${1:-}" in
+  select)
+    domain_check "$out" "$shipped,$(IFS=,; echo "${candidates[*]}")"
+    "$py" scripts/distillcache_decode_select.py "$out" "${candidates[@]}" ;;
+  heldout)
+    winner=$(sed -n 's/^Verdict: `\(.*\)` wins and ships.*/\1/p' "$out/select.md" 2>/dev/null)
+    [[ -n $winner ]] || { echo "nothing shipped: see $0 select" >&2; exit 2; }
+    text=runs/distillcache_tier_wide/heldout.txt
+    [[ -f $text ]] || write_text reasoning "$text"
+    fresh=(--text "$text" --heldout 0.125 --limit 8 --window 384 --prompt-len 256
+      --protocol decode --ratios 0.25,0.125)
+    evaluate fidelity "$out/decode_global" "${fresh[@]}" --granularity global \
+      --policies "$winner,$shipped"
+    evaluate fidelity "$out/decode_head" "${fresh[@]}" --granularity head \
+      --policies critical:h2o,h2o,tova,snapkv
+    evaluate fidelity "$out/decode_layer" "${fresh[@]}" --granularity layer --policies critical:h2o
+    "$py" scripts/distillcache_confirm_report.py "$out" --runs decode_global,decode_head,decode_layer ;;
+  *) echo "usage: $0 select | heldout" >&2; exit 2 ;;
+esac
