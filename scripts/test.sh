@@ -20,11 +20,13 @@ for dtype in ('float32', 'bfloat16'):
     loading.load_model('smollm2-135m', dtype=dtype)"
 logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT
-run_file() {  # FILE LOGS: runs one test file, keeps its output and exit status, prints its last line
+run_file() {  # FILE LOGS: runs one test file, keeps its output, exit status and wall seconds,
+  # prints its last line
   local out="$2/$(basename "$1")"
-  local rc=0
+  local rc=0 start=$SECONDS
   .venv/bin/python -m pytest -q -p no:cacheprovider "$1" >"$out" 2>&1 || rc=$?
   echo "$rc" >"$out.rc"
+  echo "$((SECONDS - start)) $1" >"$out.s"
   echo "$1: $(tail -n 1 "$out")"
 }
 export -f run_file
@@ -47,5 +49,7 @@ for file in tests/test_*.py; do
     failed=$((failed + 1))  # a crash or an error that reported no failed test
   fi
 done
+echo "slowest test files (wall seconds, $jobs at a time):"
+sort -rn "$logs"/*.s | head -n 8 | sed 's/^/  /'
 echo "$passed passed, $failed failed, $skipped skipped"
 exit $status
