@@ -2,8 +2,9 @@
 # results/distillcache_blend_decode/PROTOCOL.md: `select` scores the recall-tier ranker's
 # allocation with its order blended with critical:h2o's (w = 0.25, 0.5, 0.75, 1) against the
 # ranker alone on the training domains and names the winner, if any; `heldout` runs
-# decode-protocol fidelity on unread BIG-Bench Hard windows (--heldout 0.125), once, and writes
-# its table (tables.md). A finished run is skipped (delete its folder to redo it).
+# decode-protocol fidelity on unread BIG-Bench Hard windows (--heldout 0.125), once, for the
+# candidate of PROTOCOL.md's addendum (w = 0.25, at r = 0.125), and writes its table
+# (tables.md). A finished run is skipped (delete its folder to redo it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-.venv/bin/python}
@@ -17,8 +18,8 @@ case "${1:-}" in
     domain_check "$out" "$shipped,$(IFS=,; echo "${candidates[*]}")"
     "$py" scripts/distillcache_decode_select.py "$out" "${candidates[@]}" ;;
   heldout)
-    winner=$(sed -n 's/^Verdict: `\(.*\)` wins and ships.*/\1/p' "$out/select.md" 2>/dev/null)
-    [[ -n $winner ]] || { echo "nothing shipped: see $0 select" >&2; exit 2; }
+    [[ -f $out/select.md ]] || { echo "no selection yet: see $0 select" >&2; exit 2; }
+    winner=blend@0.25:$shipped+critical:h2o  # PROTOCOL.md's addendum: the r = 0.125 candidate
     text=runs/distillcache_tier_wide/heldout.txt
     [[ -f $text ]] || write_text reasoning "$text"
     fresh=(--text "$text" --heldout 0.125 --limit 8 --window 384 --prompt-len 256
