@@ -73,3 +73,16 @@ def test_report_names_only_the_planned_runs(tmp_path):
     text = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     assert "**0.4000** (0.80×, 2/2)" in text and "**0.8000** (1.00×, 0/2)" in text
     assert text.strip().endswith("Runs not (yet) complete: decode_layer.")
+
+
+def test_a_blend_with_a_ranker_is_learned_and_one_of_heuristics_is_not(tmp_path):
+    blend = "blend@0.25:ranker:x+critical:h2o"
+    kl = {(blend, 0.25): 0.3, (blend, 0.125): 0.6, ("blend@0.5:h2o+tova", 0.25): 0.45,
+          ("blend@0.5:h2o+tova", 0.125): 0.75}  # fmt: skip
+    _fidelity(tmp_path / "decode_global", kl, per_window=2)
+    heur = {("critical:h2o", 0.25): 0.5, ("critical:h2o", 0.125): 0.8}
+    _fidelity(tmp_path / "decode_head", heur, per_window=2)
+    report = SCRIPTS / "distillcache_confirm_report.py"
+    cmd = [sys.executable, report, tmp_path, "--runs", "decode_global,decode_head"]
+    text = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    assert "**0.3000** (0.67×, 2/2)" in text and "**0.6000** (0.80×, 2/2)" in text
