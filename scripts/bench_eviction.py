@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 
 import jaxkv
-from jaxkv import eviction, kvcache
+from jaxkv import eviction, kvcache, policies
 from jaxkv.eviction import Compression
 from jaxkv.model import decoder
 
@@ -124,7 +124,8 @@ def main():
         return decoder.decode_step(params, tok, c, config=cfg)[1]
 
     def evicting(comp, with_decode):
-        state = comp.policy.init()  # None for the heuristics; the weights of a learned policy
+        # None for the heuristics; a learned policy's weights (and W_o for critical:, blends)
+        state = policies.with_model(comp.policy, params).init()
         k = comp.evict_every
 
         def step(c):
