@@ -22,15 +22,6 @@ case "${1:-}" in
     "$py" scripts/distillcache_decode_select.py "$out" "${candidates[@]}" --ship "jaxkv/checkpoints/$wide" ;;
   heldout)
     [[ -f jaxkv/checkpoints/$wide/ranker.json ]] || { echo "nothing shipped: see $0 select" >&2; exit 2; }
-    text=runs/distillcache_tier_wide/heldout.txt
-    [[ -f $text ]] || write_text reasoning "$text"
-    fresh=(--text "$text" --heldout 0.125 --limit 8 --window 384 --prompt-len 256
-      --protocol decode --ratios 0.25,0.125)
-    evaluate fidelity "$out/decode_global" "${fresh[@]}" --granularity global \
-      --policies "ranker:$wide,ranker:$shipped"
-    evaluate fidelity "$out/decode_head" "${fresh[@]}" --granularity head \
-      --policies critical:h2o,h2o,tova,snapkv
-    evaluate fidelity "$out/decode_layer" "${fresh[@]}" --granularity layer --policies critical:h2o
-    "$py" scripts/distillcache_confirm_report.py "$out" --runs decode_global,decode_head,decode_layer ;;
+    decode_heldout "$out" "ranker:$wide,ranker:$shipped" ;;
   *) echo "usage: $0 select | heldout" >&2; exit 2 ;;
 esac

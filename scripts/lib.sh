@@ -69,3 +69,19 @@ recall_heldout() {  # OUT DATA_SEED BBH_OFFSET RETRIEVAL_GLOBAL RETRIEVAL_HEAD F
   evaluate fidelity "$out/fidelity_global" "${fresh[@]}" --granularity global --policies "$6"
   evaluate fidelity "$out/fidelity_head" "${fresh[@]}" --granularity head --policies critical:h2o
 }
+
+decode_heldout() {  # OUT POLICIES: the decode protocols' held-out run (results/distillcache_
+  # tier_wide/PROTOCOL.md and distillcache_blend_decode/PROTOCOL.md): fidelity on the BIG-Bench
+  # Hard windows at --heldout 0.125, decode protocol, r = 0.25 and 0.125, POLICIES at global and
+  # the heuristics per head and per layer, then the table (OUT/tables.md).
+  local out=$1
+  local text=runs/distillcache_tier_wide/heldout.txt
+  [[ -f $text ]] || write_text reasoning "$text"
+  local fresh=(--text "$text" --heldout 0.125 --limit 8 --window 384 --prompt-len 256
+    --protocol decode --ratios 0.25,0.125)
+  evaluate fidelity "$out/decode_global" "${fresh[@]}" --granularity global --policies "$2"
+  evaluate fidelity "$out/decode_head" "${fresh[@]}" --granularity head \
+    --policies critical:h2o,h2o,tova,snapkv
+  evaluate fidelity "$out/decode_layer" "${fresh[@]}" --granularity layer --policies critical:h2o
+  "$py" scripts/distillcache_confirm_report.py "$out" --runs decode_global,decode_head,decode_layer
+}
