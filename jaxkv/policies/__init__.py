@@ -15,9 +15,8 @@ ordered by a's and b's ranks, weight w on b's: ``jaxkv.policies.rerank``), or
 name of a checkpoint shipped in ``jaxkv/checkpoints/``, e.g. ``learned:distillcache_smollm2_cpu``).
 
 Policies that read the model's weights (``critical:``, ``ranker:``, a ``blend@`` of them) are
-built unbound, before
-any model loads; ``with_model(policy, params)`` binds them (any other policy comes back
-unchanged).
+built unbound, before any model loads; ``with_model(policy, params)`` binds them (any other
+policy comes back unchanged).
 """
 
 import dataclasses

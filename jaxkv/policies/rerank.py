@@ -169,7 +169,7 @@ def mix(alloc: Policy, other: Policy, *, weight: float) -> Policy:
             ("alloc", (alloc.name, alloc.spec)),
             ("other", (other.name, other.spec)),
             ("weight", weight),
-        ),  # fmt: skip
+        ),
     )
 
 
