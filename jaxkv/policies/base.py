@@ -11,6 +11,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import jax.numpy as jnp
+
 from jaxkv.kvcache import stat_names
 
 GRANULARITIES = ("shared", "layer", "head")
@@ -72,3 +74,11 @@ class Policy:
 
     def __repr__(self):
         return f"Policy({self.name}{dict(self.spec) if self.spec else ''})"
+
+
+def per_row(scores, cache):
+    """A policy's scores as [L, B, K, C]: one score per token ([B, C]) is repeated in every
+    (layer, KV head) row of the cache; per-row scores come back as they are."""
+    if scores.ndim == 2:  # one score per token
+        scores = scores[None, :, None, :]
+    return jnp.broadcast_to(scores, cache.pos.shape)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxkv.policies.base import TIER, Policy
+from jaxkv.policies.base import TIER, Policy, per_row
 from jaxkv.policies.heuristics import unit_scale
 
 PREFIX = "critical:"
@@ -90,10 +90,7 @@ def critical(inner: Policy, *, epsilon: float = 1e-4, first_stage_ratio: float =
 
     def score(state, cache, *, budget_B, key):
         inner_state, wo = state
-        base = inner.score(inner_state, cache, budget_B=budget_B, key=key)
-        if base.ndim == 2:  # one score per token
-            base = base[None, :, None, :]
-        base = jnp.broadcast_to(base, cache.pos.shape)
+        base = per_row(inner.score(inner_state, cache, budget_B=budget_B, key=key), cache)
         norm = projected_norms(cache.values(), wo)
         return two_stage(
             base,

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jaxkv.policies import critical as critical_lib
 from jaxkv.policies import kvzip as kvzip_lib
 from jaxkv.policies import ranker as ranker_lib
-from jaxkv.policies.base import TIER, Policy
+from jaxkv.policies.base import TIER, Policy, per_row
 
 PREFIX = "rerank:"
 WEIGHTED = "rerank@"  # rerank@<w>:<policy>
@@ -149,10 +149,7 @@ def mix(alloc: Policy, other: Policy, *, weight: float) -> Policy:
         return tuple(p.init(wo_LNHD=wo_LNHD) if reads_weights(p) else p.init() for p in pair)
 
     def score(state, cache, **kw):
-        a, b = (
-            jnp.broadcast_to(s[None, :, None, :] if s.ndim == 2 else s, cache.pos.shape)
-            for s in (p.score(st, cache, **kw) for p, st in zip(pair, state, strict=True))
-        )
+        a, b = (per_row(p.score(st, cache, **kw), cache) for p, st in zip(pair, state, strict=True))
         return rank_blend(a, b, cache.valid, weight)
 
     pair = (alloc, other)
@@ -211,10 +208,7 @@ def rerank(inner: Policy, *, weight: float = 1.0) -> Policy:
 
     def score(state, cache, **kw):
         alloc_state, inner_state = state
-        order = inner.score(inner_state, cache, **kw)
-        if order.ndim == 2:  # one score per token
-            order = order[None, :, None, :]
-        order = jnp.broadcast_to(order, cache.pos.shape)
+        order = per_row(inner.score(inner_state, cache, **kw), cache)
         if weight != 1.0:
             order = blend(order, alloc_state.at(cache.pos), cache.valid, weight)
         return transplant(alloc.score(alloc_state, cache, **kw), order, cache.valid)
