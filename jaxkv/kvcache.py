@@ -46,6 +46,13 @@ FREE = -1
 #              quantized, as computed in the same pass)
 STAT_NAMES = ("attn", "attn_sq", "attn_cum", "recent", "recent_ent", "vnorm")
 
+# Per-slot statistics of the model's weights, not of attention: written once with the token,
+# like ``vnorm`` (of an int8 cache: from the value before it was quantized), never updated,
+# and carried only when asked for by name (``stats=True`` means ``STAT_NAMES``):
+#   wo_vnorm   ||v W_o^(n)||_1, mean over the KV head's G query heads n (CriticalKV's norm,
+#              ``jaxkv.policies.critical``)
+WEIGHT_STATS = ("wo_vnorm",)
+
 # Query statistics: a name a policy lists in its ``stats`` like the per-slot ones, but what it
 # asks for lives in ``KVCache.query_stats`` (not per slot: ``gather`` leaves it alone). Sums
 # over every real query so far at a position >= ``QUERY_SINKS`` (kvpress's ``n_sink``: the
@@ -141,7 +148,8 @@ def init_cache(
         capacity: slots per (layer, sequence, KV head).
         dtype: key/value dtype (default: the model's), or ``"int8"`` (also ``jnp.int8``):
             int8 keys and values with per-slot float32 scales (module docstring).
-        stats: the statistics to carry (names from ``STAT_NAMES`` and ``QUERIES``, e.g. a
+        stats: the statistics to carry (names from ``STAT_NAMES``, ``WEIGHT_STATS`` and
+            ``QUERIES``, e.g. a
             policy's ``stats``), True for all per-slot ones (``STAT_NAMES``), False for
             none. The decoder computes only the statistics a cache carries.
         window: time constant of the ``recent`` statistics, in queries.
@@ -205,10 +213,10 @@ def init_query_stats(config: ModelConfig, batch_size: int) -> dict:
 
 def stat_names(stats: bool | tuple[str, ...]) -> tuple[str, ...]:
     """The statistic names that ``init_cache(stats=...)`` means, in ``STAT_NAMES`` order
-    (then ``QUERIES``)."""
+    (then ``WEIGHT_STATS``, then ``QUERIES``)."""
     if isinstance(stats, bool):
         return STAT_NAMES if stats else ()
-    valid = (*STAT_NAMES, QUERIES)
+    valid = (*STAT_NAMES, *WEIGHT_STATS, QUERIES)
     unknown = sorted(set(stats) - set(valid))
     if unknown:
         raise ValueError(f"unknown cache statistics {unknown}; valid: {list(valid)}")

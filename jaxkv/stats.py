@@ -75,7 +75,8 @@ def _mean_over_heads(x_BKGS: jax.Array) -> jax.Array:
 
 def contributions(p_parts, w_BT3: jax.Array, names=STAT_NAMES) -> tuple[dict, ...]:
     """The contribution ([B, K, S] for each part) of one pass's attention probabilities to
-    each statistic in ``names`` (``vnorm`` is not an attention statistic and is skipped).
+    each statistic in ``names`` (``vnorm`` and ``wo_vnorm`` are not attention statistics and
+    are skipped).
 
     Args:
         p_parts: the probabilities [B, K, G, T, S] of the key parts of one softmax (e.g. the
@@ -148,6 +149,17 @@ def merge(cached: dict, new: dict, *, n_queries_B: jax.Array, window: int) -> di
 
 def value_norms(v_BKTH: jax.Array) -> jax.Array:
     return jnp.linalg.norm(v_BKTH.astype(jnp.float32), axis=-1)
+
+
+def projected_value_norms(v_BKTH: jax.Array, wo_NHD: jax.Array) -> jax.Array:
+    """``||v W_o^(n)||_1`` of every value, mean over its KV head's G query heads
+    (n = k * G + g): [B, K, T] float32 (the ``wo_vnorm`` statistic, CriticalKV's norm).
+
+    ``wo_NHD`` is one layer's output projection as a float array."""
+    B, K, T, H = v_BKTH.shape
+    wo_KGHD = wo_NHD.reshape(K, -1, H, wo_NHD.shape[-1]).astype(jnp.float32)
+    out = jnp.einsum("bkth,kghd->bktgd", v_BKTH.astype(jnp.float32), wo_KGHD)
+    return jnp.mean(jnp.sum(jnp.abs(out), axis=-1), axis=-1)
 
 
 FEATURE_NAMES = ("alpha", "vnorm", "sigma", "entropy", "pos")

@@ -54,8 +54,9 @@ def parse_kept(text: str) -> list[tuple[str, str]]:
 def kept_masks(model, windows_NT, *, prompt_len, pairs, ratios, min_budget) -> dict:
     """{key: [N, L, K, P] bool} of the prompt positions kept by one prefill compression."""
     prompt = jnp.asarray(windows_NT[:, :prompt_len])
+    stats = (*kvcache.STAT_NAMES, *kvcache.WEIGHT_STATS)  # every per-slot one (critical:)
     cache = kvcache.init_cache(
-        model.config, batch_size=len(prompt), capacity=prompt_len, stats=True
+        model.config, batch_size=len(prompt), capacity=prompt_len, stats=stats
     )
     _, cache = jax.jit(decoder.prefill, static_argnames="config")(
         model.params, prompt, cache, config=model.config

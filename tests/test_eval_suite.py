@@ -85,10 +85,7 @@ def test_switch_policy_reproduces_each_member_alone(model):
 
 
 def test_switch_policy_reproduces_each_member_under_prefill_and_adaptive(model):
-    members = runner.bind_groups(
-        runner.parse_policies("tova,critical:h2o"), model
-    )  # critical: binds W_o
-    members = [g.members[0] for g in members]
+    members = [g.members[0] for g in runner.parse_policies("tova,critical:h2o")]
     switch = runner.switch_policy(members, granularity="adaptive")
     comp = runner.switch_compression(
         switch, ratio=0.3, min_budget=8, protocol="prefill", granularity="adaptive"
@@ -299,12 +296,14 @@ def test_retrieval_end_to_end(tmp_path):
 
 def test_gsm8k_and_agreement_end_to_end(tmp_path):
     args = ["gsm8k", *GEN, "--limit", "2", "--shots", "1", "--max-new-tokens", "8"]
+    args += ["--policies", "full,random,h2o,critical:h2o"]  # critical: runs in every command
     assert _run(args, tmp_path) == 0
     doc = _load(tmp_path, "gsm8k")
     assert {(r["policy"], r["ratio"]) for r in doc["results"]} == {
         ("full", 1.0),
         ("random", 0.5),
         ("h2o", 0.5),
+        ("critical:h2o", 0.5),
     }
     assert all(r["n_tokens"] <= 8 for r in doc["records"])
     args = ["agreement", *GEN, "--task", "bbh/sports_understanding", "--limit", "2"]
@@ -430,7 +429,6 @@ def test_longbench_end_to_end_and_malformed_line_keeps_partial_results(tmp_path,
             ["fidelity", "--policies", "learned:distillcache_smollm2_cpu", "--granularity", "head"],
             "does not support granularity 'head'",
         ),
-        (["gsm8k", "--policies", "critical:h2o"], "critical:h2o is available in"),
         (["positions", "--policies", "h2o,oracle"], "oracle policy needs"),
         (["retrieval", "--policies", "h2o@head"], "h2o@head: a granularity of its own"),
         (["fidelity", "--policies", "h2o@layer", "--head-cap", "2"], "only with --granularity"),

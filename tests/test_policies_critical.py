@@ -25,7 +25,7 @@ BUDGET = 8
 
 @pytest.fixture(scope="module")
 def cache():
-    cache = kvcache.init_cache(CFG, batch_size=2, capacity=N, stats=("attn",))
+    cache = kvcache.init_cache(CFG, batch_size=2, capacity=N, stats=("attn", "wo_vnorm"))
     return decoder.prefill(PARAMS, TOKENS[:, :N], cache, config=CFG)[1]
 
 
@@ -57,15 +57,38 @@ def _reference_kept(base_C, norm_C, budget, eps=1e-4, ratio=0.5):
 def test_projected_norms_equal_the_loop_reference(cache):
     v = np.asarray(cache.v, np.float64)
     wo = np.asarray(PARAMS["layers"]["wo"], np.float64)
+    want = _reference_norms(v, wo)
     got = critical.projected_norms(cache.v, PARAMS["layers"]["wo"])
-    np.testing.assert_allclose(np.asarray(got), _reference_norms(v, wo), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5)
+    # the statistic the prefill wrote, once per token
+    np.testing.assert_allclose(np.asarray(cache.stats["wo_vnorm"]), want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+def test_the_decoder_writes_each_slots_projected_norm_once(kv_dtype):
+    """Prefill, three decode steps and an eviction between them: every resident slot's
+    ``wo_vnorm`` is its value's projected norm (of an int8 cache: of the value before it was
+    quantized, so within the quantization error of the stored one), and free slots hold 0."""
+    comp = Compression.make("critical:h2o", budget=12, granularity="head")
+    cache = kvcache.init_cache(CFG, batch_size=2, capacity=N + 3, dtype=kv_dtype, stats=comp.stats)
+    _, cache = decoder.prefill(PARAMS, TOKENS[:, :16], cache, config=CFG)
+    cache = eviction.evict(cache, comp, comp.policy.init(), key=None)
+    for t in range(16, 19):
+        _, cache = decoder.decode_step(PARAMS, TOKENS[:, t], cache, config=CFG)
+    want = _reference_norms(
+        np.asarray(cache.values(), np.float64), np.asarray(PARAMS["layers"]["wo"])
+    )
+    got = np.asarray(cache.stats["wo_vnorm"])
+    held = np.asarray(cache.pos) >= 0
+    assert held.sum(-1).max() == 15 and held.sum(-1).min() == 15  # 12 kept + 3 new per row
+    tol = 1e-5 if kv_dtype is None else 2e-2
+    np.testing.assert_allclose(got[held], want[held], rtol=tol)
 
 
 @pytest.mark.parametrize("inner", ["tova", "knorm"])  # attention mass; negative scores
 def test_two_stage_selection_equals_the_numpy_reference(inner, cache):
     comp = Compression.make("critical:" + inner, budget=BUDGET, granularity="head")
-    state = with_model(comp.policy, PARAMS).init()
-    out = eviction.evict(cache, comp, state, key=jax.random.key(0))
+    out = eviction.evict(cache, comp, comp.policy.init(), key=jax.random.key(0))
     if inner == "tova":
         base = np.asarray(cache.stats["attn"], np.float64)
     else:
@@ -84,22 +107,19 @@ def test_two_stage_selection_equals_the_numpy_reference(inner, cache):
     assert differs  # the projected norms changed the choice somewhere
 
 
-def test_critical_needs_the_model_and_wraps_only_scorers():
+def test_critical_reads_the_cache_and_wraps_only_scorers():
     policy = get_policy("critical:h2o", first_stage_ratio=0.25)
-    with pytest.raises(ValueError, match="critical:h2o reads the model's output projection"):
-        policy.init()
-    bound = with_model(policy, PARAMS)
-    assert bound == policy and dict(bound.spec)["first_stage_ratio"] == 0.25
-    inner_state, wo = bound.init()
-    assert inner_state is None and wo.shape == PARAMS["layers"]["wo"].shape
-    assert with_model(get_policy("h2o"), PARAMS) == get_policy("h2o")
-    assert policy.stats == ("attn_cum",) and policy.granularities == get_policy("h2o").granularities
+    assert dict(policy.spec)["first_stage_ratio"] == 0.25
+    assert policy.init() is None  # h2o's state: the norms are in the cache, not the state
+    assert with_model(policy, PARAMS) is policy  # nothing to bind
+    assert policy.stats == ("attn_cum", "wo_vnorm")
+    assert policy.granularities == get_policy("h2o").granularities
     for bad in ("critical:oracle", "critical:full", "critical:critical:h2o"):
         with pytest.raises(ValueError, match="critical"):
             get_policy(bad)
 
 
-def test_generation_binds_the_model_itself():
+def test_generation_runs_it_and_r1_equals_the_full_cache():
     prompts = [list(range(1, 50)), list(range(5, 20))]
     comp = Compression.make("critical:snapkv", ratio=0.25, min_budget=4)
     out = generate_tokens(PARAMS, prompts, config=CFG, max_new_tokens=4, compression=comp)

@@ -30,8 +30,7 @@ need the ``hf`` extra). ``fidelity``, ``retrieval`` and ``agreement`` also take 
 ``--granularity {shared,layer,head,adaptive,global}`` (``jaxkv.eviction``; recorded in the result
 file's config when not the default); ``fidelity`` also takes ``--kv-dtype {model,int8}``
 (an int8 KV cache, ``jaxkv.kvcache``; recorded likewise); ``fidelity`` alone can run the
-``oracle`` bound, and ``critical:<policy>`` runs in ``fidelity``, ``retrieval`` and
-``agreement`` (it reads the loaded model's W_o).
+``oracle`` bound.
 
 Every argument is checked before anything loads or is written: numbers by their flag types
 (``jaxkv.cli.flags``), then the lists, policies (learned checkpoints included), input files and
@@ -71,7 +70,7 @@ from jaxkv.evals import (
     runner,
 )
 from jaxkv.model.loading import cache_dir
-from jaxkv.policies import CRITICAL_PREFIX, needs_window
+from jaxkv.policies import needs_window
 
 HEURISTICS = "random,streaming_llm,h2o,snapkv,tova,keydiff,knorm"
 SHIPPED_POLICY = "learned:distillcache_smollm2_cpu"
@@ -126,8 +125,8 @@ def _common(parser: argparse.ArgumentParser, *, ratios: str, policies: str, limi
         "--policies",
         default=policies,
         help="comma list: full, random, streaming_llm, h2o, snapkv, tova, keydiff, knorm, "
-        "expected_attention, critical:<policy> (CriticalKV over a policy; fidelity, retrieval, "
-        "agreement), oracle (future-attention upper bound; fidelity only), kvzip, "
+        "expected_attention, critical:<policy> (CriticalKV over a policy), oracle "
+        "(future-attention upper bound; fidelity only), kvzip, "
         "rerank:<policy> / rerank@<w>:<policy> (kvzip's allocation, the policy's order or its "
         "blend with kvzip's; fidelity --protocol prefill only), blend@<w>:<a>+<b> (a's "
         "allocation, each row ordered by a's and b's ranks, w on b's), ranker:<checkpoint> "
@@ -190,11 +189,9 @@ def _job(args: argparse.Namespace, command: str) -> runner.Job:
 
 # Subcommands that can run the policies that need more than a cache: the oracle reads the
 # full-cache attention of a fixed token stream, kvzip (and a ranker reading its scores) a
-# reconstruction of each window's prompt (teacher forcing only); critical: reads the
-# model's W_o (bound after the model loads: ``runner.bind_groups``).
+# reconstruction of each window's prompt (teacher forcing only).
 ORACLE_COMMANDS = ("fidelity",)
 ROW_GRANULARITY_COMMANDS = ("fidelity",)  # where a --policies item may end in @<granularity>
-CRITICAL_COMMANDS = ("fidelity", "retrieval", "agreement")
 
 
 def _check_families(groups, command: str) -> None:
@@ -211,12 +208,6 @@ def _check_families(groups, command: str) -> None:
         raise ValueError(
             f"{own[0]}: a granularity of its own (@...) runs in "
             f"{', '.join(ROW_GRANULARITY_COMMANDS)} only; use --granularity"
-        )
-    critical = [p.name for p in members if CRITICAL_PREFIX in p.name]  # blend@...+critical:
-    if critical and command not in CRITICAL_COMMANDS:
-        raise ValueError(
-            f"{critical[0]} is available in {', '.join(CRITICAL_COMMANDS)} and generate, "
-            f"not in {command}"
         )
 
 

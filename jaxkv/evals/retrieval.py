@@ -164,7 +164,7 @@ def evaluate(
         for name in task_names
         for n in lengths
     ]
-    groups = runner.bind_groups(job.groups, model)  # critical: reads the model's W_o
+    groups = runner.bind_groups(job.groups, model)  # a ranker may read the model's W_o
     for batch in batches:
         benchmarks.run_generation(
             model,

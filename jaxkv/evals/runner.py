@@ -21,7 +21,7 @@
   pools rows, ``"adaptive"`` or ``"global"``), so the kept tokens and the logits equal a run
   with the member alone (tested).
 * ``bind_groups``: the groups with each policy bound to the model it reads
-  (``jaxkv.policies.with_model``: ``critical:`` reads W_o), after the model loads.
+  (``jaxkv.policies.with_model``: a ranker may read W_o), after the model loads.
 """
 
 from __future__ import annotations

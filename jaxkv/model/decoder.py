@@ -82,6 +82,18 @@ def prompt_positions(tokens_BT: jax.Array, lengths_B: jax.Array | None) -> jax.A
     return jnp.where(t < lengths_B[:, None], t, -1)
 
 
+def _value_stats(lp, v_BKTH, names) -> dict:
+    """The new slots' statistics among ``names`` that are not attention's: each value's
+    norm, and its norm after the layer's output projection (``kvcache.WEIGHT_STATS``)."""
+    out = {}
+    if "vnorm" in names:
+        out["vnorm"] = attn_stats.value_norms(v_BKTH)
+    if "wo_vnorm" in names:
+        wo_NHD = weights_lib.dense(lp["wo"])  # int8 weights: their dequantized W_o
+        out["wo_vnorm"] = attn_stats.projected_value_norms(v_BKTH, wo_NHD)
+    return out
+
+
 def _self_attention_stack(
     params,
     tokens_BT,
@@ -116,8 +128,8 @@ def _self_attention_stack(
             stat_weights_BT3=weights,
             stat_names=stat_names,
         )
-        if st is not None and "vnorm" in stat_names:
-            st = {**st, "vnorm": attn_stats.value_norms(v)}
+        if st is not None:
+            st = {**st, **_value_stats(lp, v, stat_names)}
         qm = None
         if q_weights is not None:
             qm = attn_stats.query_moments(q_pre, q_weights, config.n_kv_heads)
@@ -249,8 +261,7 @@ def extend(
             return x, (k, v, None, None, moments)
         old, new = attn_stats.contributions((p_cache, p_new), weights, names)
         merged = attn_stats.merge(acc_l, old, n_queries_B=n_queries_B, window=cache.window)
-        if "vnorm" in names:
-            new["vnorm"] = attn_stats.value_norms(v)
+        new.update(_value_stats(lp, v, names))
         return x, (k, v, merged, new, moments)
 
     cached = (cache.k, cache.v, cache.pos, cache.k_scale, cache.v_scale)

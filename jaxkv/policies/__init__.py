@@ -14,9 +14,10 @@ ordered by a's and b's ranks, weight w on b's: ``jaxkv.policies.rerank``), or
 ``learned:<checkpoint>`` (a folder written by ``python -m jaxkv.train distillcache``, or the
 name of a checkpoint shipped in ``jaxkv/checkpoints/``, e.g. ``learned:distillcache_smollm2_cpu``).
 
-Policies that read the model's weights (``critical:``, ``ranker:``, a ``blend@`` of them) are
-built unbound, before any model loads; ``with_model(policy, params)`` binds them (any other
-policy comes back unchanged).
+Policies that read the model's weights (``ranker:``, a ``blend@`` with one) are built unbound,
+before any model loads; ``with_model(policy, params)`` binds them (any other policy comes back
+unchanged). ``critical:`` reads its projected value norms from the cache (``wo_vnorm``), which
+the decoder writes with each token.
 """
 
 import dataclasses
@@ -102,8 +103,8 @@ def get_policy(name: str, **settings) -> Policy:
 
 
 def with_model(policy: Policy, params: dict) -> Policy:
-    """``policy`` bound to the model ``params`` it reads (``critical:``, ``ranker:`` and blends
-    of them read W_o); any other policy unchanged. The bound policy equals the unbound one
+    """``policy`` bound to the model ``params`` it reads (``ranker:`` and blends with one read
+    W_o); any other policy unchanged. The bound policy equals the unbound one
     (same jit cache); only its ``init`` differs."""
     if not rerank.reads_weights(policy):
         return policy

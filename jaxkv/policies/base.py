@@ -32,8 +32,8 @@ class Policy:
         granularities: selection granularities it supports (see ``GRANULARITIES``).
         protocols: the eviction protocols it supports (see ``PROTOCOLS``).
         window: time constant of the cache's ``recent`` statistics it reads.
-        stats: the cache statistics it reads (``jaxkv.kvcache.STAT_NAMES``, and
-            ``jaxkv.kvcache.QUERIES`` for the query moments); the decoder
+        stats: the cache statistics it reads (``jaxkv.kvcache.STAT_NAMES`` and
+            ``WEIGHT_STATS``, and ``jaxkv.kvcache.QUERIES`` for the query moments); the decoder
             computes only these, so a policy that reads none pays nothing for them.
         evicts: False for ``full`` (the engine then keeps everything).
         window_input: what the policy reads of the window it runs, that only a teacher-forced

@@ -122,9 +122,9 @@ def parse_mix(name: str) -> tuple[float, str, str]:
 
 
 def reads_weights(policy: Policy) -> bool:
-    """True for the policies whose ``init`` takes the model's W_o (``wo_LNHD``):
-    ``critical:``, ``ranker:`` and blends of them (``jaxkv.policies.with_model``)."""
-    return policy.name.startswith((critical_lib.PREFIX, ranker_lib.PREFIX, MIX))
+    """True for the policies whose ``init`` takes the model's W_o (``wo_LNHD``): ``ranker:``
+    and blends (``jaxkv.policies.with_model``)."""
+    return policy.name.startswith((ranker_lib.PREFIX, MIX))
 
 
 def mix(alloc: Policy, other: Policy, *, weight: float) -> Policy:
