@@ -88,6 +88,17 @@ def test_top_n_mask_is_a_stable_sorts_first_n():
         np.testing.assert_array_equal(got[i], want)
 
 
+def test_inverse_permutation_is_the_ranks_of_an_argsort():
+    rng = np.random.default_rng(4)
+    perm = np.stack([rng.permutation(50) for _ in range(6)]).reshape(2, 3, 50)
+    got = np.asarray(topn.inverse_permutation(jnp.asarray(perm, jnp.int32)))
+    for idx in np.ndindex(2, 3):
+        want = np.empty(50, int)
+        want[perm[idx]] = np.arange(50)  # slot perm[i] has rank i
+        np.testing.assert_array_equal(got[idx], want)
+        np.testing.assert_array_equal(got[idx], np.argsort(perm[idx]))
+
+
 def test_each_layer_keeps_k_times_b_tokens_split_by_the_pooled_scores():
     cache = kvcache.init_cache(CFG, batch_size=2, capacity=24, stats=("attn",))
     _, cache = decoder.prefill(PARAMS, TOKENS[:, :24], cache, config=CFG)

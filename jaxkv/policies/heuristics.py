@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from jaxkv.kvcache import KVCache
 from jaxkv.policies.base import TIER, Policy
-from jaxkv.topn import top_n_mask
+from jaxkv.topn import inverse_permutation, top_n_mask
 
 
 def protect_recent(scores_LBKC, cache: KVCache, n_recent_B: jax.Array) -> jax.Array:
@@ -120,7 +120,7 @@ def _pool_by_position(x_LBKC, pos_LBKC, kernel: int):
     half = kernel // 2
     padded = jnp.pad(xs, [(0, 0)] * 3 + [(half, half)])
     pooled = sum(padded[..., i : i + C] for i in range(kernel)) / kernel
-    inverse = jnp.argsort(order, axis=-1)
+    inverse = inverse_permutation(order)
     return jnp.take_along_axis(pooled, inverse, axis=-1)
 
 

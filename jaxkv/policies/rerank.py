@@ -41,6 +41,7 @@ from jaxkv.policies import critical as critical_lib
 from jaxkv.policies import kvzip as kvzip_lib
 from jaxkv.policies import ranker as ranker_lib
 from jaxkv.policies.base import TIER, Policy, per_row
+from jaxkv.topn import inverse_permutation
 
 PREFIX = "rerank:"
 WEIGHTED = "rerank@"  # rerank@<w>:<policy>
@@ -59,7 +60,7 @@ def transplant(alloc_LBKC: jnp.ndarray, order_LBKC: jnp.ndarray, valid_LBKC) -> 
     by_within = jnp.argsort(-within, axis=-1, stable=True)
     tier = jnp.take_along_axis(protected, by_within, axis=-1)
     slots = jnp.take_along_axis(by_within, jnp.argsort(~tier, axis=-1, stable=True), axis=-1)
-    rank = jnp.argsort(slots, axis=-1)  # 0 = best: protected first, then by ``order``
+    rank = inverse_permutation(slots)  # 0 = best: protected first, then by ``order``
     values = -jnp.sort(-alloc, axis=-1)  # each row's alloc scores, descending
     return jnp.take_along_axis(values, rank, axis=-1)
 
@@ -87,7 +88,7 @@ def row_ranks(score_LBKC: jnp.ndarray, mask_LBKC) -> jnp.ndarray:
     """Each ``mask``ed slot's rank among its row's ``mask``ed slots by ``score`` (0 = highest;
     ties: the lower slot first); the other slots get the row's length."""
     s = jnp.where(mask_LBKC, score_LBKC.astype(jnp.float32), -jnp.inf)
-    rank = jnp.argsort(jnp.argsort(-s, axis=-1, stable=True), axis=-1)
+    rank = inverse_permutation(jnp.argsort(-s, axis=-1, stable=True))
     return jnp.where(mask_LBKC, rank, s.shape[-1])
 
 
@@ -100,7 +101,7 @@ def rank_blend(alloc_LBKC, other_LBKC, valid_LBKC, weight: float) -> jnp.ndarray
     own = row_ranks(alloc_LBKC, free)
     mixed = (1.0 - weight) * own + weight * row_ranks(other_LBKC, free)
     slots = jnp.lexsort((own, mixed), axis=-1)  # best first: by the mean rank, then by own
-    order = -jnp.argsort(slots, axis=-1).astype(jnp.float32)
+    order = -inverse_permutation(slots).astype(jnp.float32)
     return transplant(alloc_LBKC, order, valid_LBKC)
 
 
