@@ -149,9 +149,9 @@ def init_cache(
         dtype: key/value dtype (default: the model's), or ``"int8"`` (also ``jnp.int8``):
             int8 keys and values with per-slot float32 scales (module docstring).
         stats: the statistics to carry (names from ``STAT_NAMES``, ``WEIGHT_STATS`` and
-            ``QUERIES``, e.g. a
-            policy's ``stats``), True for all per-slot ones (``STAT_NAMES``), False for
-            none. The decoder computes only the statistics a cache carries.
+            ``QUERIES``, e.g. a policy's ``stats``), True for the attention ones and
+            ``vnorm`` (``STAT_NAMES``), False for none. The decoder computes only the
+            statistics a cache carries.
         window: time constant of the ``recent`` statistics, in queries.
     """
     if batch_size < 1 or capacity < 1:

@@ -68,7 +68,7 @@ def test_projected_norms_equal_the_loop_reference(cache):
 def test_the_decoder_writes_each_slots_projected_norm_once(kv_dtype):
     """Prefill, three decode steps and an eviction between them: every resident slot's
     ``wo_vnorm`` is its value's projected norm (of an int8 cache: of the value before it was
-    quantized, so within the quantization error of the stored one), and free slots hold 0."""
+    quantized, so within the quantization error of the stored one)."""
     comp = Compression.make("critical:h2o", budget=12, granularity="head")
     cache = kvcache.init_cache(CFG, batch_size=2, capacity=N + 3, dtype=kv_dtype, stats=comp.stats)
     _, cache = decoder.prefill(PARAMS, TOKENS[:, :16], cache, config=CFG)
