@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxkv import eviction, kvcache, policies
+from jaxkv import eviction, kvcache
 from jaxkv.config import ModelConfig
 from jaxkv.eviction import Compression
 from jaxkv.kvcache import KVCache
@@ -246,8 +246,7 @@ def generate_tokens(
         pad_id: id written after a sequence stopped.
         key: PRNG key for sampling and random policies.
         compression: KV-cache compression (None: full cache).
-        policy_state: the policy's state (when None, ``init()`` of the policy bound to
-            ``params``: ``jaxkv.policies.with_model``).
+        policy_state: the policy's state (when None, the policy's ``init()``).
         kv_dtype: the cache's key/value dtype (``kvcache.init_cache``'s ``dtype``: None for
             the model's, ``"int8"`` for an int8 cache).
 
@@ -304,7 +303,7 @@ def _run_cache(params, config, batch, n_max, prompt_len, compression, policy_sta
         capacity = compression.capacity(n_max, prompt_len=prompt_len)
     evicts = compression is not None and compression.policy.evicts
     if compression is not None and policy_state is None:
-        policy_state = policies.with_model(compression.policy, params).init()
+        policy_state = compression.policy.init()
     cache = kvcache.init_cache(
         config,
         batch_size=batch,

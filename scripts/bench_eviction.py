@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 
 import jaxkv
-from jaxkv import eviction, kvcache, policies
+from jaxkv import eviction, kvcache
 from jaxkv.eviction import Compression
 from jaxkv.model import decoder
 
@@ -125,7 +125,7 @@ def main():
 
     def evicting(comp, with_decode):
         # None for the heuristics; a learned policy's weights (and W_o for critical:, blends)
-        state = policies.with_model(comp.policy, params).init()
+        state = comp.policy.init()
         k = comp.evict_every
 
         def step(c):

@@ -63,7 +63,7 @@ def kept_masks(model, windows_NT, *, prompt_len, pairs, ratios, min_budget) -> d
     )
     out = {}
     for name, granularity in pairs:
-        policy = policies.with_model(policies.get_policy(name), model.params)
+        policy = policies.get_policy(name)
         for ratio in ratios:
             comp = eviction.Compression(
                 policy=policy,

@@ -75,8 +75,12 @@ def test_a_cache_with_only_the_statistics_a_policy_reads_evicts_the_same(name):
     assert set(full.stats) == set(kvcache.STAT_NAMES)
     np.testing.assert_array_equal(np.asarray(lean.pos), np.asarray(full.pos))
     np.testing.assert_array_equal(np.asarray(lean_logits), np.asarray(all_logits))
+    # Two programs (the caches carry different statistics): XLA may fuse their reductions
+    # differently. Equal to the last bit under XLA:CPU's fusion emitters; under the legacy
+    # emitters the suite compiles with (tests/conftest.py), a statistic of the learned
+    # policy's was 1-2 float32 ulp apart while the positions and the logits stayed equal.
     for n in lean.stats:
-        np.testing.assert_array_equal(np.asarray(lean.stats[n]), np.asarray(full.stats[n]))
+        np.testing.assert_array_max_ulp(np.asarray(lean.stats[n]), np.asarray(full.stats[n]), 2)
 
 
 def test_budget_follows_tokens_seen_and_the_cache_really_shrinks():

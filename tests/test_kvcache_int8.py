@@ -15,7 +15,7 @@ from jaxkv.eviction import GRANULARITIES, PROTOCOLS, Compression
 from jaxkv.generate import full_cache_attention, generate_tokens, teacher_forced
 from jaxkv.model import decoder
 from jaxkv.model.params import init_params
-from jaxkv.policies import get_policy, with_model
+from jaxkv.policies import get_policy
 from jaxkv.policies import oracle as oracle_lib
 from jaxkv.policies.learned import init_mlp, learned_policy
 
@@ -244,7 +244,7 @@ def test_every_policy_granularity_and_protocol_keeps_the_budget_on_an_int8_cache
     except ValueError as e:
         pytest.skip(f"unsupported: {e}")
     if state is None:
-        state = with_model(policy, PARAMS).init()
+        state = policy.init()
     logits, cache = teacher_forced(
         PARAMS,
         GRID_TOKENS,

@@ -18,8 +18,7 @@ from jaxkv.evals.runner import ByteTokenizer
 from jaxkv.generate import full_cache_attention
 from jaxkv.model import decoder
 from jaxkv.model.params import init_params
-from jaxkv.policies import critical as critical_lib
-from jaxkv.policies import get_policy, heuristics, with_model
+from jaxkv.policies import get_policy, heuristics
 from jaxkv.policies import ranker as ranker_lib
 from jaxkv.policies.base import TIER
 from jaxkv.policies.learned import checkpoint_path
@@ -48,11 +47,12 @@ def test_targets_are_the_oracles_future_attention():
 
 
 def test_features_by_hand():
-    cache = kvcache.init_cache(CFG, batch_size=2, capacity=24, stats=ranker_lib.STATS)
+    names = tuple(n for n in ranker_lib.FEATURES if n not in ranker_lib.RECON_FEATURES)
+    stats = ranker_lib.stats_for(names)
+    cache = kvcache.init_cache(CFG, batch_size=2, capacity=24, stats=stats)
     _, cache = decoder.prefill(PARAMS, jnp.asarray(TOKENS[:, :12]), cache, config=CFG)
     _, cache = decoder.extend(PARAMS, jnp.asarray(TOKENS[:, 12:16]), cache, config=CFG)
-    names = tuple(n for n in ranker_lib.FEATURES if n not in ranker_lib.RECON_FEATURES)
-    f = np.asarray(ranker_lib.head_features(cache, names=names, wo_LNHD=PARAMS["layers"]["wo"]))
+    f = np.asarray(ranker_lib.head_features(cache, names=names))
     col = {n: f[..., i] for i, n in enumerate(names)}
     st = {n: np.asarray(x) for n, x in cache.stats.items()}
     L = CFG.n_layers
@@ -118,7 +118,7 @@ def test_trained_ranker_end_to_end(tmp_path, capsys):
     out = tmp_path / "rk"
     argv = ["ranker", "--model", "tiny", "--windows-per-domain", "2", "--steps", "3"]
     every = [n for n in ranker_lib.FEATURES if n not in ranker_lib.RECON_FEATURES]
-    every = ",".join(every)  # log_wo_vnorm too: the policy reads W_o
+    every = ",".join(every)  # log_wo_vnorm too: the policy reads the cache's wo_vnorm
     pooled = ["--pool", "2", "--rows-per-step", "16"]
     assert (
         train_cli.main(
@@ -133,13 +133,11 @@ def test_trained_ranker_end_to_end(tmp_path, capsys):
     assert meta["trained_on"] == ["prose", "math", "code", "chat"]
     assert meta["features"] == every.split(",")
     assert set(meta["validation"]) == {"prose", "math", "code", "chat"}
-    policy = with_model(get_policy(f"ranker:{out}"), PARAMS)
-    weights, wo, recon = policy.init()
+    policy = get_policy(f"ranker:{out}")
+    weights, recon = policy.init()
     assert jax.tree.all(jax.tree.map(np.array_equal, weights, params))
-    assert wo is PARAMS["layers"]["wo"]  # log_wo_vnorm reads W_o
+    assert policy.stats == (*ranker_lib.STATS, "wo_vnorm")  # log_wo_vnorm reads the cache
     assert recon is None and policy.window_input is None
-    with pytest.raises(ValueError, match="with_model"):
-        get_policy(f"ranker:{out}").init()
     for granularity in ("shared", "head", "adaptive"):
         code = eval_cli.main(
             ["fidelity", "--model", "tiny", "--policies", f"full,ranker:{out}", "--limit", "1",
@@ -214,7 +212,7 @@ def test_sinks_and_recent_window_are_kept():
     cache = kvcache.init_cache(CFG, batch_size=2, capacity=40, stats=policy.stats)
     _, cache = decoder.prefill(PARAMS, jnp.asarray(TOKENS), cache, config=CFG)
     comp = eviction.Compression(policy, budget=16, granularity="head")
-    state = policy.init(wo_LNHD=PARAMS["layers"]["wo"])
+    state = policy.init()
     kept = eviction.evict(cache, comp, state, key=jax.random.key(0)).pos
     for row in np.asarray(kept).reshape(-1, 40):
         row = set(row[row >= 0].tolist())
@@ -235,39 +233,32 @@ def test_value_target_weights_the_future_attention_by_the_value_norm():
         dataclasses.replace(SMALL, target="mass")
 
 
-def _prefilled(n=16):
-    cache = kvcache.init_cache(CFG, batch_size=2, capacity=24, stats=ranker_lib.STATS)
+def _prefilled(n=16, stats=None):
+    stats = ranker_lib.stats_for(ranker_lib.FEATURES) if stats is None else stats
+    cache = kvcache.init_cache(CFG, batch_size=2, capacity=24, stats=stats)
     return decoder.prefill(PARAMS, jnp.asarray(TOKENS[:, :n]), cache, config=CFG)[1]
 
 
 def test_wo_vnorm_feature_is_the_l1_norm_after_the_output_projection():
-    cache = _prefilled()
+    cache = _prefilled()  # the decoder wrote each token's norm, the cache statistic wo_vnorm
     wo = PARAMS["layers"]["wo"]  # [L, N, H, D], query head n = k * G + g
-    f = np.asarray(ranker_lib.head_features(cache, names=("log_wo_vnorm",), wo_LNHD=wo))[..., 0]
+    f = np.asarray(ranker_lib.head_features(cache, names=("log_wo_vnorm",)))[..., 0]
     v = np.asarray(cache.values(), np.float64)  # [L, B, K, C, H]
     L, B, K, C, H = v.shape
     w = np.asarray(wo, np.float64).reshape(L, K, -1, H, wo.shape[-1])
     want = np.abs(np.einsum("lbkch,lkghd->lbkcgd", v, w)).sum(-1).mean(-1)
     np.testing.assert_allclose(f[..., :16], np.log(want[..., :16] + 1e-6), rtol=1e-5, atol=1e-5)
     assert np.all(f[..., 16:] == 0)
-    with pytest.raises(ValueError, match="with_model"):
-        ranker_lib.head_features(cache, names=("log_wo_vnorm",))
-    np.testing.assert_allclose(  # the same norm as critical:'s
-        np.exp(f[..., :16]) - 1e-6,
-        np.asarray(critical_lib.projected_norms(cache.values(), wo))[..., :16],
-        rtol=1e-4,
-    )
+    with pytest.raises(ValueError, match="wo_vnorm"):  # a cache without the statistic
+        ranker_lib.head_features(_prefilled(stats=ranker_lib.STATS), names=("log_wo_vnorm",))
 
 
 def test_named_features_are_columns_of_all_features():
     cache = _prefilled()
-    wo = PARAMS["layers"]["wo"]
     recon = fidelity.prompt_reconstruction(PARAMS, TOKENS[:, :16], REPEAT, config=CFG)
-    every = np.asarray(ranker_lib.head_features(cache, wo_LNHD=wo, reconstruction=recon))
+    every = np.asarray(ranker_lib.head_features(cache, reconstruction=recon))
     names = ("depth", "log_attn", "log_wo_vnorm", "z_recon")
-    some = np.asarray(
-        ranker_lib.head_features(cache, names=names, wo_LNHD=wo, reconstruction=recon)
-    )
+    some = np.asarray(ranker_lib.head_features(cache, names=names, reconstruction=recon))
     idx = [ranker_lib.FEATURES.index(n) for n in names]
     np.testing.assert_array_equal(some, every[..., idx])
     with pytest.raises(ValueError, match="unknown ranker features"):
@@ -280,7 +271,7 @@ def test_critical_target_weights_the_future_attention_by_the_projected_norm():
         rng=np.random.default_rng(0),
     )  # fmt: skip
     cache = _prefilled(SMALL.points[0])
-    norm = np.asarray(critical_lib.projected_norms(cache.values(), PARAMS["layers"]["wo"]))
+    norm = np.asarray(cache.stats["wo_vnorm"])
     first = crit[0]  # point 8: slot s holds position s
     want = first.future * norm[..., : first.point].reshape(-1, first.point)
     np.testing.assert_allclose(first.target, want, rtol=2e-3)  # the norm is stored in float16

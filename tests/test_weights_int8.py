@@ -15,7 +15,7 @@ from jaxkv.eviction import Compression
 from jaxkv.generate import generate_tokens, teacher_forced
 from jaxkv.model import decoder, weights_int8
 from jaxkv.model.params import PARAM_AXES, init_params
-from jaxkv.policies import get_policy, with_model
+from jaxkv.policies import get_policy
 
 CFG = ModelConfig.tiny()
 PARAMS = init_params(CFG, key=jax.random.key(0), scale=0.2)
@@ -236,16 +236,17 @@ def test_dtype_flag_reaches_the_suite_and_is_recorded(tmp_path):
         eval_lib.main(["fidelity", *common, "--dtype", "int4", "--out", str(tmp_path / "x")])
 
 
-def test_policies_that_read_w_o_get_the_dequantized_w_o_of_int8_weights():
-    """``with_model`` binds ``critical:`` to the int8 model's dequantized W_o: the same state
-    as binding it to the dequantized float params, and an eviction runs."""
-    policy = get_policy("critical:h2o")
-    got = with_model(policy, QPARAMS).init()
-    want = with_model(policy, DEQ).init()
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    comp = Compression(with_model(policy, QPARAMS), ratio=0.5, min_budget=4, granularity="head")
-    logits, _ = teacher_forced(
-        QPARAMS, TOKENS, prompt_len=PROMPT, config=CFG, compression=comp, policy_state=got
-    )
+def test_the_projected_value_norms_of_int8_weights_read_the_dequantized_w_o():
+    """``critical:`` over int8 weights: the cache statistic ``wo_vnorm`` it reads is the one
+    the dequantized float params write, and an eviction runs."""
+    comp = Compression(get_policy("critical:h2o"), ratio=0.5, min_budget=4, granularity="head")
+    runs = [
+        teacher_forced(p, TOKENS, prompt_len=PROMPT, config=CFG, compression=comp)
+        for p in (QPARAMS, DEQ)
+    ]
+    (logits, cache), (_, want) = runs
     assert np.isfinite(np.asarray(logits)).all()
+    np.testing.assert_array_equal(np.asarray(cache.pos), np.asarray(want.pos))
+    np.testing.assert_allclose(
+        np.asarray(cache.stats["wo_vnorm"]), np.asarray(want.stats["wo_vnorm"]), **TOL
+    )

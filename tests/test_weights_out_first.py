@@ -7,12 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxkv import kvcache
 from jaxkv.config import ModelConfig
 from jaxkv.eviction import Compression
 from jaxkv.generate import generate_tokens, teacher_forced
 from jaxkv.model import decoder, weights_int8
 from jaxkv.model.params import init_params
-from jaxkv.policies import get_policy, with_model
 
 CFG = ModelConfig.tiny()
 PARAMS = init_params(CFG, key=jax.random.key(0), scale=0.2)
@@ -115,12 +115,16 @@ def test_separate_head():
     np.testing.assert_allclose(got, want, **TOL)
 
 
-def test_policies_that_read_w_o_get_the_same_w_o():
-    policy = get_policy("critical:h2o")
-    got = with_model(policy, OI).init()
-    want = with_model(policy, PARAMS).init()
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+def test_the_projected_value_norms_read_the_same_w_o():
+    """``wo_vnorm``, the statistic ``critical:`` and a ranker's ``log_wo_vnorm`` read, is
+    written from W_o in either layout."""
+    norms = []
+    for params in (OI, PARAMS):
+        cache = kvcache.init_cache(CFG, batch_size=2, capacity=PROMPT, stats=("wo_vnorm",))
+        _, cache = decoder.prefill(params, TOKENS[:, :PROMPT], cache, config=CFG)
+        norms.append(np.asarray(cache.stats["wo_vnorm"]))
+    assert norms[0].min() > 0
+    np.testing.assert_allclose(*norms, **TOL)
 
 
 def test_batch_one_decode_reads_the_stacked_weights_in_place():

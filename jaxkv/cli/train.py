@@ -102,7 +102,8 @@ def ranker_parser() -> argparse.ArgumentParser:
         "--features",
         default=",".join(d.features),
         help="comma list of the per-row features the ranker reads (jaxkv.policies.ranker."
-        "FEATURES; default: all but log_wo_vnorm, which reads the model's W_o)",
+        "FEATURES; default: all but log_wo_vnorm, whose cache statistic the shipped rankers do "
+        "not carry, and kvzip's log_recon, z_recon)",
     )
     ap.add_argument(
         "--base",

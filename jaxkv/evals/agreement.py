@@ -198,7 +198,7 @@ def evaluate(
     )
     benchmarks.run_generation(
         model,
-        runner.bind_groups(job.groups, model),
+        job.groups,
         examples=found,
         ratios=job.ratios,
         seeds=job.seeds,

@@ -169,8 +169,7 @@ def stream_logits(
 def window_state(model: EvalModel, policy, windows_BT: np.ndarray, prompt_len: int):
     """The state of a policy that reads the windows themselves (``Policy.window_input``): the
     oracle's future attention, or kvzip's reconstruction scores of the prompts (module
-    docstring), passed to the policy's ``init`` (``policy`` bound to the model if it reads its
-    weights: ``jaxkv.policies.with_model``)."""
+    docstring), passed to the policy's ``init``."""
     if policy.window_input == "future":
         attn = full_cache_attention(
             model.params, windows_BT, prompt_len=prompt_len, config=model.config
@@ -256,7 +255,6 @@ def run(
             f"{windows_NT.shape[1]} tokens, got {settings.prompt_len}"
         )
     targets = windows_NT[:, settings.prompt_len :]
-    groups = runner.bind_groups(groups, model)
     switched = {}  # granularity -> the members that run behind one switch policy with it
     for g in groups:
         if not g.is_full:

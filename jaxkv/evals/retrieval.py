@@ -164,11 +164,10 @@ def evaluate(
         for name in task_names
         for n in lengths
     ]
-    groups = runner.bind_groups(job.groups, model)  # a ranker may read the model's W_o
     for batch in batches:
         benchmarks.run_generation(
             model,
-            groups,
+            job.groups,
             examples=batch,
             ratios=job.ratios,
             seeds=job.seeds,

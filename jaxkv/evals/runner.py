@@ -20,8 +20,6 @@
   ``Compression`` uses granularity ``"head"`` (no further averaging; the members' when it
   pools rows, ``"adaptive"`` or ``"global"``), so the kept tokens and the logits equal a run
   with the member alone (tested).
-* ``bind_groups``: the groups with each policy bound to the model it reads
-  (``jaxkv.policies.with_model``: a ranker may read W_o), after the model loads.
 """
 
 from __future__ import annotations
@@ -44,7 +42,7 @@ from jaxkv.generate import generate_tokens, stop_token_ids
 from jaxkv.model import weights_int8
 from jaxkv.model.loading import INT8, load_model
 from jaxkv.model.params import init_params
-from jaxkv.policies import Policy, get_policy, with_model
+from jaxkv.policies import Policy, get_policy
 from jaxkv.policies import learned as learned_lib
 
 TINY = "tiny"
@@ -323,16 +321,6 @@ def load_learned_policy(spec: str | os.PathLike) -> Policy:
     except Exception as err:  # noqa: BLE001 - any reader failure is a bad checkpoint folder
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise ValueError(f"cannot load learned policy {str(path)!r}: {first}") from err
-
-
-def bind_groups(groups: Sequence[PolicyGroup], model: EvalModel) -> tuple[PolicyGroup, ...]:
-    """``groups`` with every member bound to ``model`` (``jaxkv.policies.with_model``).
-
-    Bound members equal the unbound ones, so lookups by policy keep working."""
-    return tuple(
-        dataclasses.replace(g, members=tuple(with_model(p, model.params) for p in g.members))
-        for g in groups
-    )
 
 
 def switch_policy(members: Sequence[Policy], *, granularity: str = "shared") -> Policy:

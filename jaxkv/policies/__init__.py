@@ -14,17 +14,12 @@ ordered by a's and b's ranks, weight w on b's: ``jaxkv.policies.rerank``), or
 ``learned:<checkpoint>`` (a folder written by ``python -m jaxkv.train distillcache``, or the
 name of a checkpoint shipped in ``jaxkv/checkpoints/``, e.g. ``learned:distillcache_smollm2_cpu``).
 
-Policies that read the model's weights (``ranker:``, a ``blend@`` with one) are built unbound,
-before any model loads; ``with_model(policy, params)`` binds them (any other policy comes back
-unchanged). ``critical:`` reads its projected value norms from the cache (``wo_vnorm``), which
-the decoder writes with each token.
+No policy reads the model's weights: ``critical:`` and a ranker on ``log_wo_vnorm`` read the
+projected value norms from the cache (``wo_vnorm``), which the decoder writes with each token.
 """
 
-import dataclasses
-import functools
 from collections.abc import Callable
 
-from jaxkv.model import weights_int8
 from jaxkv.policies import (
     critical,
     expected,
@@ -102,17 +97,6 @@ def get_policy(name: str, **settings) -> Policy:
     return _REGISTRY[name](**settings)
 
 
-def with_model(policy: Policy, params: dict) -> Policy:
-    """``policy`` bound to the model ``params`` it reads (``ranker:`` and blends with one read
-    W_o); any other policy unchanged. The bound policy equals the unbound one
-    (same jit cache); only its ``init`` differs."""
-    if not rerank.reads_weights(policy):
-        return policy
-    wo = weights_int8.dense(params["layers"]["wo"])  # int8 weights: their dequantized W_o
-    init = functools.partial(policy.init, wo_LNHD=wo)
-    return dataclasses.replace(policy, init=init)
-
-
 def needs_window(policy: Policy) -> bool:
     """True for the policies whose state only the fidelity evaluation computes, from each
     window it runs (``Policy.window_input``): the oracle reads the window's future; kvzip, and
@@ -131,5 +115,4 @@ __all__ = [
     "get_policy",
     "needs_window",
     "policy_names",
-    "with_model",
 ]

@@ -17,33 +17,21 @@ here it rescores at every eviction like every jaxkv policy.
 The norm of a slot never changes, so it is not recomputed at each eviction: the decoder writes
 it once, with the token, as the cache statistic ``wo_vnorm`` (``jaxkv.kvcache.WEIGHT_STATS``),
 which the policy lists in its ``stats``. (Recomputing it for every slot at every eviction made
-an eviction at batch 8 x 4K cost 9.7 s.) ``projected_norms`` computes the same norms of a
-whole cache's values, for the rankers' ``log_wo_vnorm`` feature.
+an eviction at batch 8 x 4K cost 9.7 s.) A ranker's ``log_wo_vnorm`` feature reads the same
+statistic.
 """
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from jaxkv import kvcache
-from jaxkv import stats as attn_stats
 from jaxkv.policies.base import TIER, Policy, per_row
 from jaxkv.policies.heuristics import unit_scale
 from jaxkv.topn import top_n_mask
 
 PREFIX = "critical:"
 STAT = "wo_vnorm"  # the cache statistic of the projected value norms
-
-
-def projected_norms(v_LBKCH: jax.Array, wo_LNHD: jax.Array) -> jax.Array:
-    """``||v W_o^(n)||_1`` per slot, mean over each KV head's G query heads: [L, B, K, C]
-    (``jaxkv.stats.projected_value_norms`` of every layer).
-
-    ``wo_LNHD`` is the stacked output projection (query head n = k * G + g); layers are
-    mapped one at a time so the [B, K, C, G, D] products of one layer exist at once only.
-    """
-    return jax.lax.map(lambda a: attn_stats.projected_value_norms(*a), (v_LBKCH, wo_LNHD))
 
 
 def two_stage(base_LBKC, norm_LBKC, pos_LBKC, budget_B, *, epsilon, first_stage_ratio):

@@ -32,8 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv import checkpoint as checkpoint_lib
-from jaxkv.kvcache import KVCache
-from jaxkv.policies import critical as critical_lib
+from jaxkv.kvcache import WEIGHT_STATS, KVCache
 from jaxkv.policies import kvzip as kvzip_lib
 from jaxkv.policies.base import TIER, Policy
 from jaxkv.policies.heuristics import protect_attended, protect_recent
@@ -62,7 +61,7 @@ FEATURES = (
     "log_recon",  # kvzip's score: the most attention a query reconstructing the prompt pays
     "z_recon",  # log_recon standardized over the row's tokens
 )
-MODEL_FEATURES = ("log_wo_vnorm",)  # read the model's W_o (``jaxkv.policies.with_model``)
+MODEL_FEATURES = ("log_wo_vnorm",)  # read the cache statistic ``wo_vnorm`` (``WEIGHT_STATS``)
 RECON_FEATURES = ("log_recon", "z_recon")  # read kvzip's reconstruction pass (prefill only)
 DEFAULT_FEATURES = tuple(  # the shipped rankers'
     n for n in FEATURES if n not in MODEL_FEATURES + RECON_FEATURES
@@ -83,14 +82,21 @@ def _row_z(x_LBKC: jax.Array, valid_LBKC: jax.Array) -> jax.Array:
     return (x_LBKC - mean) * jax.lax.rsqrt(var + 1e-6)
 
 
-def _check_inputs(names, wo_LNHD, reconstruction) -> None:
+def stats_for(names: tuple[str, ...]) -> tuple[str, ...]:
+    """The cache statistics the features ``names`` read: ``STATS``, and ``wo_vnorm``
+    (``WEIGHT_STATS``, written by the decoder) for ``MODEL_FEATURES``."""
+    return STATS + (WEIGHT_STATS if any(n in MODEL_FEATURES for n in names) else ())
+
+
+def _check_inputs(cache, names, reconstruction) -> None:
     unknown = [n for n in names if n not in FEATURES]
     if unknown:
         raise ValueError(f"unknown ranker features {unknown}; valid: {FEATURES}")
-    if wo_LNHD is None and any(n in MODEL_FEATURES for n in names):
+    missing = [n for n in stats_for(names) if n not in cache.stats]
+    if missing:
         raise ValueError(
-            "the ranker's feature log_wo_vnorm reads the model's W_o: bind it "
-            "with jaxkv.policies.with_model(policy, params)"
+            f"the ranker's features {names} read the cache statistics {missing}, which this "
+            "cache does not carry: init_cache(..., stats=ranker.stats_for(features))"
         )
     if reconstruction is None and any(n in RECON_FEATURES for n in names):
         raise ValueError(
@@ -99,18 +105,16 @@ def _check_inputs(names, wo_LNHD, reconstruction) -> None:
         )
 
 
-def _layer_inputs(cache, names, wo_LNHD, reconstruction) -> dict[str, Any]:
+def _layer_inputs(cache, names, reconstruction) -> dict[str, Any]:
     """What the features read, every leaf with a leading layer axis L: the statistics, the
-    slots' positions, the layer's depth in [0, 1], and the model's and kvzip's per-slot inputs
-    when ``names`` read them."""
+    slots' positions, the layer's depth in [0, 1], and kvzip's per-slot scores when ``names``
+    read them."""
     L = cache.pos.shape[0]
     inputs = {
         "stats": dict(cache.stats),
         "pos": cache.pos,
         "depth": jnp.arange(L, dtype=jnp.float32) / max(L - 1, 1),
     }
-    if any(n in MODEL_FEATURES for n in names):
-        inputs["wo_vnorm"] = critical_lib.projected_norms(cache.values(), wo_LNHD)
     if any(n in RECON_FEATURES for n in names):
         inputs["recon"] = reconstruction.at(cache.pos)
     return inputs
@@ -143,7 +147,7 @@ def _features(inputs: dict[str, Any], length_B: jax.Array, names: tuple[str, ...
         "depth": lambda: jnp.broadcast_to(inputs["depth"][..., None, None, None], pos.shape),
         "z_attn_cum": lambda: _row_z(log_cum, valid),
         "z_recent": lambda: _row_z(log_recent, valid),
-        "log_wo_vnorm": lambda: _log(inputs["wo_vnorm"]),
+        "log_wo_vnorm": lambda: _log(st["wo_vnorm"]),
         "log_recon": log_recon,
         "z_recon": lambda: _row_z(log_recon(), valid),
     }
@@ -155,14 +159,13 @@ def head_features(
     cache: KVCache,
     *,
     names: tuple[str, ...] = FEATURES,
-    wo_LNHD: jax.Array | None = None,
     reconstruction: kvzip_lib.Reconstruction | None = None,
 ) -> jax.Array:
     """Per-row features of every slot, [L, B, K, C, F] in ``names`` order (0 on free slots),
-    from a cache carrying ``STATS``; ``MODEL_FEATURES`` need the model's stacked W_o,
-    ``RECON_FEATURES`` kvzip's reconstruction scores of the prompt (0 past the prompt)."""
-    _check_inputs(names, wo_LNHD, reconstruction)
-    inputs = _layer_inputs(cache, names, wo_LNHD, reconstruction)
+    from a cache carrying ``stats_for(names)``; ``RECON_FEATURES`` need kvzip's reconstruction
+    scores of the prompt (0 past the prompt)."""
+    _check_inputs(cache, names, reconstruction)
+    inputs = _layer_inputs(cache, names, reconstruction)
     return _features(inputs, cache.length, names)
 
 
@@ -171,7 +174,6 @@ def head_scores(
     cache: KVCache,
     *,
     names: tuple[str, ...],
-    wo_LNHD: jax.Array | None = None,
     reconstruction: kvzip_lib.Reconstruction | None = None,
 ) -> jax.Array:
     """``scores_from_features(params, head_features(cache, ...), cache.valid)``, [L, B, K, C],
@@ -179,13 +181,13 @@ def head_scores(
     the processor's caches: all layers' at once (0.1 GB per activation at batch 8 x 4K) go to
     memory and back between every two of the MLP's ops, several times the cost of its
     arithmetic (``scripts/bench_eviction.py``)."""
-    _check_inputs(names, wo_LNHD, reconstruction)
+    _check_inputs(cache, names, reconstruction)
 
     def layer(inputs):
         feats = _features(inputs, cache.length, names)
         return scores_from_features(params, feats, inputs["pos"] >= 0)
 
-    return jax.lax.map(layer, _layer_inputs(cache, names, wo_LNHD, reconstruction))
+    return jax.lax.map(layer, _layer_inputs(cache, names, reconstruction))
 
 
 class RankMLP(nn.Module):
@@ -249,11 +251,11 @@ def ranker_policy(
     choice: what a look-up query needs, which a ranker trained on future attention
     underweights; ``heuristics.protect_attended``).
 
-    The state is ``(params, wo_LNHD, reconstruction)``: ``init(wo_LNHD=None,
-    reconstruction=None)`` takes the model's stacked output projection, needed (and then
-    required) only by ``MODEL_FEATURES``, and kvzip's reconstruction scores of the prompt,
-    needed only by ``RECON_FEATURES`` (such a ranker compresses once, ``prefill`` protocol,
-    and only the fidelity evaluation computes its state: ``Policy.window_input``)."""
+    The state is ``(params, reconstruction)``: ``init(reconstruction=None)`` takes kvzip's
+    reconstruction scores of the prompt, needed (and then required) only by
+    ``RECON_FEATURES`` (such a ranker compresses once, ``prefill`` protocol, and only the
+    fidelity evaluation computes its state: ``Policy.window_input``). ``MODEL_FEATURES`` read
+    the cache statistic ``wo_vnorm``, which the policy lists in its ``stats``."""
     for what, share in (
         ("recent_fraction", recent_fraction),
         ("attended_fraction", attended_fraction),
@@ -263,25 +265,19 @@ def ranker_policy(
     features = tuple(features)
     if params["mean"].shape != (len(features),):
         raise ValueError(f"params for {params['mean'].shape[0]} features, got {features}")
-    needs_wo = any(n in MODEL_FEATURES for n in features)
     needs_recon = any(n in RECON_FEATURES for n in features)
 
-    def init(wo_LNHD=None, reconstruction=None):
-        if needs_wo and wo_LNHD is None:
-            raise ValueError(
-                f"{name} reads the model's output projection W_o; bind it to the model with "
-                "jaxkv.policies.with_model(policy, params)"
-            )
+    def init(reconstruction=None):
         if needs_recon and reconstruction is None:
             raise ValueError(
                 f"{name} reads kvzip's reconstruction pass over the prompt; only the fidelity "
                 "evaluation computes it (python -m jaxkv.eval fidelity --protocol prefill)"
             )
-        return params, wo_LNHD if needs_wo else None, reconstruction if needs_recon else None
+        return params, reconstruction if needs_recon else None
 
     def score(state, cache, *, budget_B, **_):
-        weights, wo, recon = state
-        s = head_scores(weights, cache, names=features, wo_LNHD=wo, reconstruction=recon)
+        weights, recon = state
+        s = head_scores(weights, cache, names=features, reconstruction=recon)
         if not (recent_fraction or sinks or attended_fraction):
             return s  # the raw log-odds (module docstring)
         # squashed into [0, 1) under the protected tier (ranking unchanged), as the
@@ -303,7 +299,7 @@ def ranker_policy(
         name=name,
         score=score,
         init=init,
-        stats=STATS,
+        stats=stats_for(features),
         spec=spec,
         **({"protocols": ("prefill",), "window_input": "reconstruction"} if needs_recon else {}),
     )

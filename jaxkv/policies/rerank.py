@@ -21,8 +21,7 @@ score plus ``1 - w`` times kvzip's log score, each standardized over the row's s
 
 Like kvzip it compresses once (``prefill`` protocol) and only the fidelity evaluation computes
 its state (``window_input="reconstruction"``); the inner policy may read the reconstruction
-too (a ranker with kvzip's features). Inner policies that read the model's weights
-(``critical:``, a ranker on ``log_wo_vnorm``) are not supported.
+too (a ranker with kvzip's features). ``critical:`` is not supported as the inner policy.
 
 ``blend@<w>:<a>+<b>`` is the same idea for any two cache-scoring policies, in either protocol:
 ``a`` allocates (each row keeps its multiset of ``a``'s scores, so a pooled selection keeps
@@ -39,7 +38,6 @@ import jax.numpy as jnp
 
 from jaxkv.policies import critical as critical_lib
 from jaxkv.policies import kvzip as kvzip_lib
-from jaxkv.policies import ranker as ranker_lib
 from jaxkv.policies.base import TIER, Policy, per_row
 from jaxkv.topn import inverse_permutation
 
@@ -122,12 +120,6 @@ def parse_mix(name: str) -> tuple[float, str, str]:
     return weight, a, b
 
 
-def reads_weights(policy: Policy) -> bool:
-    """True for the policies whose ``init`` takes the model's W_o (``wo_LNHD``): ``ranker:``
-    and blends (``jaxkv.policies.with_model``)."""
-    return policy.name.startswith((ranker_lib.PREFIX, MIX))
-
-
 def mix(alloc: Policy, other: Policy, *, weight: float) -> Policy:
     """``alloc``'s allocation across rows, each row ordered by the ``rank_blend`` of ``alloc``'s
     and ``other``'s ranks at ``weight`` on ``other``'s (module docstring). Runs where both
@@ -146,8 +138,8 @@ def mix(alloc: Policy, other: Policy, *, weight: float) -> Policy:
             f"of {alloc.window} and {other.window} tokens"
         )
 
-    def init(wo_LNHD=None):
-        return tuple(p.init(wo_LNHD=wo_LNHD) if reads_weights(p) else p.init() for p in pair)
+    def init():
+        return tuple(p.init() for p in pair)
 
     def score(state, cache, **kw):
         a, b = (per_row(p.score(st, cache, **kw), cache) for p, st in zip(pair, state, strict=True))

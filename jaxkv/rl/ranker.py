@@ -182,7 +182,10 @@ def domain_windows(tokenizer, cfg: RankerConfig, *, split: str) -> dict[str, np.
 @functools.partial(jax.jit, static_argnames=("config", "capacity", "n"))
 def _prefill(params, tokens, *, config, capacity, n):
     cache = kvcache.init_cache(
-        config, batch_size=tokens.shape[0], capacity=capacity, stats=ranker_lib.STATS
+        config,
+        batch_size=tokens.shape[0],
+        capacity=capacity,
+        stats=ranker_lib.stats_for(ranker_lib.FEATURES),
     )
     return prefill(params, tokens[:, :n], cache, config=config)[1]
 
@@ -192,17 +195,17 @@ def _extend(params, tokens, cache, *, config):
     return extend(params, tokens, cache, config=config)[1]
 
 
-def _rows(cache, future_LBKT, wo_LNHD, reconstruction):
+def _rows(cache, future_LBKT, reconstruction):
     """Features [L, B, K, m, F] and targets [L, B, K, m] of the m valid slots of every row
     (every row holds the same number), the targets read at each slot's position."""
     m = int(jnp.sum(cache.valid[0, 0, 0]))
-    return _rows_jit(cache, future_LBKT, wo_LNHD, reconstruction, m=m)
+    return _rows_jit(cache, future_LBKT, reconstruction, m=m)
 
 
 @functools.partial(jax.jit, static_argnames=("m",))
-def _rows_jit(cache, future_LBKT, wo_LNHD, reconstruction, *, m):
+def _rows_jit(cache, future_LBKT, reconstruction, *, m):
     order = jnp.argsort(~cache.valid, axis=-1, stable=True)[..., :m]
-    feats = ranker_lib.head_features(cache, wo_LNHD=wo_LNHD, reconstruction=reconstruction)
+    feats = ranker_lib.head_features(cache, reconstruction=reconstruction)
     feats = jnp.take_along_axis(feats, order[..., None], axis=3)
     pos = jnp.take_along_axis(cache.pos, order, axis=-1)
     return feats, jnp.take_along_axis(future_LBKT, pos, axis=-1)
@@ -230,7 +233,6 @@ def collect(
     if cfg.reconstructs and repeat_R is None:
         raise ValueError("reconstruction features need kvzip's repeat request (repeat_R)")
     kinds = [None, *cfg.pruned_ratios]
-    wo = params["layers"]["wo"]
     feats = {(k, p): [] for k in kinds for p in cfg.points}
     target = {(k, p): [] for k in kinds for p in cfg.points}
     fut = {(k, p): [] for k in kinds for p in cfg.points}
@@ -256,7 +258,7 @@ def collect(
             future = cum[p + cfg.horizon] - cum[p]
             recon = _reconstruction(params, config, windows[b : b + cfg.batch, :p], cfg, repeat_R)
             for k in kinds:
-                f, t = (np.asarray(x) for x in _rows(states[k][p], future, wo, recon))
+                f, t = (np.asarray(x) for x in _rows(states[k][p], future, recon))
                 f = f.reshape(-1, f.shape[-2], f.shape[-1]).astype(np.float16)
                 t = t.reshape(-1, t.shape[-1])
                 keep = rng.random(len(t)) < cfg.row_fraction
