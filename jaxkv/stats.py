@@ -151,15 +151,25 @@ def value_norms(v_BKTH: jax.Array) -> jax.Array:
     return jnp.linalg.norm(v_BKTH.astype(jnp.float32), axis=-1)
 
 
-def projected_value_norms(v_BKTH: jax.Array, wo_NHD: jax.Array) -> jax.Array:
+def projected_value_norms(v_BKTH: jax.Array, wo_NHD: jax.Array, *, chunk: int = 512) -> jax.Array:
     """``||v W_o^(n)||_1`` of every value, mean over its KV head's G query heads
     (n = k * G + g): [B, K, T] float32 (the ``wo_vnorm`` statistic, CriticalKV's norm).
 
-    ``wo_NHD`` is one layer's output projection as a float array."""
+    ``wo_NHD`` is one layer's output projection as a float array. The projected values
+    [B, K, t, G, D] exist ``chunk`` tokens at a time (a prompt of 8 x 4K at once: 680 MB)."""
     B, K, T, H = v_BKTH.shape
     wo_KGHD = wo_NHD.reshape(K, -1, H, wo_NHD.shape[-1]).astype(jnp.float32)
-    out = jnp.einsum("bkth,kghd->bktgd", v_BKTH.astype(jnp.float32), wo_KGHD)
-    return jnp.mean(jnp.sum(jnp.abs(out), axis=-1), axis=-1)
+
+    def norms(v_BKtH):
+        out = jnp.einsum("bkth,kghd->bktgd", v_BKtH.astype(jnp.float32), wo_KGHD)
+        return jnp.mean(jnp.sum(jnp.abs(out), axis=-1), axis=-1)
+
+    if T <= chunk:
+        return norms(v_BKTH)
+    n = -(-T // chunk)
+    v = jnp.pad(v_BKTH, ((0, 0), (0, 0), (0, n * chunk - T), (0, 0)))
+    out_nBKc = jax.lax.map(norms, jnp.moveaxis(v.reshape(B, K, n, chunk, H), 2, 0))
+    return jnp.moveaxis(out_nBKc, 0, 2).reshape(B, K, n * chunk)[..., :T]
 
 
 FEATURE_NAMES = ("alpha", "vnorm", "sigma", "entropy", "pos")

@@ -6,15 +6,14 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Tests compile far more than they run: LLVM at -O0 cuts the suite's time by a quarter, and
 # XLA:CPU's legacy elemental emitters instead of its fusion emitters by a further third (every
-# test passes either way; programs compared bit for bit are compiled alike). Kept on any flags
-# the caller set; subprocesses inherit them.
-os.environ["XLA_FLAGS"] = " ".join(
-    [
-        os.environ.get("XLA_FLAGS", ""),
-        "--xla_backend_optimization_level=0",
-        "--xla_cpu_use_fusion_emitters=false",
-    ]
-).strip()
+# test passes either way; programs compared bit for bit are compiled alike). Added to the
+# flags the caller set, unless the caller chose the emitters (XLA_FLAGS=
+# --xla_cpu_use_fusion_emitters=true runs the suite with the fusion emitters); subprocesses
+# inherit them.
+_flags = [os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0"]
+if "xla_cpu_use_fusion_emitters" not in _flags[0]:
+    _flags.append("--xla_cpu_use_fusion_emitters=false")
+os.environ["XLA_FLAGS"] = " ".join(_flags).strip()
 # No persistent XLA cache from CLI calls made inside the test process: tests stay hermetic, and
 # a CI run once segfaulted inside XLA:CPU compilation on the cache-writing path.
 os.environ.setdefault("JAXKV_NO_COMPILE_CACHE", "1")

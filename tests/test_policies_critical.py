@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from jaxkv import eviction, kvcache
+from jaxkv import stats as attn_stats
 from jaxkv.config import ModelConfig
 from jaxkv.eviction import Compression
 from jaxkv.generate import generate_tokens
@@ -59,6 +60,17 @@ def test_the_prefill_writes_the_projected_norms_of_the_loop_reference(cache):
     wo = np.asarray(PARAMS["layers"]["wo"], np.float64)
     want = _reference_norms(v, wo)
     np.testing.assert_allclose(np.asarray(cache.stats["wo_vnorm"]), want, rtol=1e-5)
+
+
+def test_projected_norms_in_chunks_equal_the_loop_reference():
+    """A prompt's norms are computed ``chunk`` tokens at a time (37 = 4 x 8 + 5: padding)."""
+    v = jax.random.normal(jax.random.key(5), (2, CFG.n_kv_heads, 37, CFG.head_dim))
+    wo = PARAMS["layers"]["wo"][0]
+    want = _reference_norms(np.asarray(v, np.float64)[None], np.asarray(wo, np.float64)[None])[0]
+    for chunk in (8, 37, 512):
+        got = attn_stats.projected_value_norms(v, wo, chunk=chunk)
+        assert got.shape == want.shape
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5)
 
 
 @pytest.mark.parametrize("kv_dtype", [None, "int8"])

@@ -42,27 +42,29 @@ def test_transplant_against_brute_force():
         np.testing.assert_allclose(got[idx], want, rtol=1e-6)
 
 
-@pytest.mark.parametrize("floor,cap", [(0.0, 8.0), (0.2, 2.0)])
-def test_rows_keep_kvzips_counts_and_the_inner_policys_tokens(floor, cap):
-    policy = get_policy("rerank:h2o")
+@pytest.mark.parametrize(
+    "name,floor,cap", [("h2o", 0.0, 8.0), ("h2o", 0.2, 2.0), ("critical:h2o", 0.0, 8.0)]
+)
+def test_rows_keep_kvzips_counts_and_the_inner_policys_tokens(name, floor, cap):
+    policy = get_policy("rerank:" + name)
     state = fidelity.window_state(MODEL, policy, WINDOWS, PROMPT)
     kvzip_state = fidelity.window_state(MODEL, get_policy("kvzip"), WINDOWS, PROMPT)
     cache = kvcache.init_cache(CFG, batch_size=2, capacity=PROMPT, stats=policy.stats)
     _, cache = decoder.prefill(PARAMS, WINDOWS[:, :PROMPT], cache, config=CFG)
     pooled = {"granularity": "global", "protocol": "prefill", "head_floor": floor, "head_cap": cap}
     comp = lambda name: Compression.make(name, budget=5, **pooled)  # noqa: E731
-    ours = eviction.evict(cache, comp("rerank:h2o"), state, key=None)
+    ours = eviction.evict(cache, comp("rerank:" + name), state, key=None)
     theirs = eviction.evict(cache, comp("kvzip"), kvzip_state, key=None)
-    inner = get_policy("h2o")  # its own scores: accumulated attention, its recent window
-    budget_B = comp("h2o").budget_for(cache.length)
-    h2o = np.asarray(inner.score(inner.init(), cache, budget_B=budget_B, key=None))
+    inner = get_policy(name)  # its own scores (h2o: accumulated attention, its recent window)
+    budget_B = comp(name).budget_for(cache.length)
+    scores = np.asarray(inner.score(inner.init(), cache, budget_B=budget_B, key=None))
     counts = set()
     for idx in np.ndindex(cache.pos.shape[:-1]):
         got = {int(p) for p in ours.pos[idx] if p >= 0}
         n = int(np.sum(np.asarray(theirs.pos[idx]) >= 0))
         assert len(got) == n
         sinks = [p for p in range(4) if p < PROMPT]  # kvzip's sinks, first in every row
-        rest = [int(p) for p in np.argsort(-h2o[idx][:PROMPT], stable=True) if p not in sinks]
+        rest = [int(p) for p in np.argsort(-scores[idx][:PROMPT], stable=True) if p not in sinks]
         assert got == set((sinks + rest)[:n])
         counts.add(n)
     assert len(counts) > 1  # the allocation is uneven: the test sees kvzip's, not a uniform one
@@ -72,7 +74,7 @@ def test_rerank_runs_where_kvzip_runs_and_refuses_the_rest(tmp_path):
     assert get_policy("rerank:h2o").window_input == "reconstruction"
     with pytest.raises(ValueError, match="only the fidelity evaluation"):
         get_policy("rerank:h2o").init()
-    for bad in ("rerank:kvzip", "rerank:oracle", "rerank:full", "rerank:critical:h2o"):
+    for bad in ("rerank:kvzip", "rerank:oracle", "rerank:full", "rerank:rerank:h2o"):
         with pytest.raises(ValueError, match="rerank:"):
             get_policy(bad)
     common = ["--model", "tiny", "--policies", "full,rerank:h2o", "--limit", "1", "--window",

@@ -21,7 +21,7 @@ score plus ``1 - w`` times kvzip's log score, each standardized over the row's s
 
 Like kvzip it compresses once (``prefill`` protocol) and only the fidelity evaluation computes
 its state (``window_input="reconstruction"``); the inner policy may read the reconstruction
-too (a ranker with kvzip's features). ``critical:`` is not supported as the inner policy.
+too (a ranker with kvzip's features).
 
 ``blend@<w>:<a>+<b>`` is the same idea for any two cache-scoring policies, in either protocol:
 ``a`` allocates (each row keeps its multiset of ``a``'s scores, so a pooled selection keeps
@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jaxkv.policies import critical as critical_lib
 from jaxkv.policies import kvzip as kvzip_lib
 from jaxkv.policies.base import TIER, Policy, per_row
 from jaxkv.topn import inverse_permutation
@@ -186,9 +185,7 @@ def rerank(inner: Policy, *, weight: float = 1.0) -> Policy:
     ``blend`` of ``inner``'s and kvzip's at ``weight`` < 1 (module docstring)."""
     if not inner.evicts or inner.window_input not in (None, "reconstruction"):
         raise ValueError(f"rerank: needs an evicting cache-scoring policy, got {inner.name!r}")
-    if inner.name == kvzip_lib.NAME or inner.name.startswith(
-        (critical_lib.PREFIX, PREFIX, WEIGHTED)
-    ):
+    if inner.name == kvzip_lib.NAME or inner.name.startswith((PREFIX, WEIGHTED)):
         raise ValueError(f"rerank: cannot wrap {inner.name!r}")
     if "prefill" not in inner.protocols:
         raise ValueError(f"rerank: {inner.name!r} does not run in the prefill protocol")
