@@ -61,10 +61,10 @@ FEATURES = (
     "log_recon",  # kvzip's score: the most attention a query reconstructing the prompt pays
     "z_recon",  # log_recon standardized over the row's tokens
 )
-MODEL_FEATURES = ("log_wo_vnorm",)  # read the cache statistic ``wo_vnorm`` (``WEIGHT_STATS``)
+WEIGHT_FEATURES = ("log_wo_vnorm",)  # read the cache statistic ``wo_vnorm`` (``WEIGHT_STATS``)
 RECON_FEATURES = ("log_recon", "z_recon")  # read kvzip's reconstruction pass (prefill only)
 DEFAULT_FEATURES = tuple(  # the shipped rankers'
-    n for n in FEATURES if n not in MODEL_FEATURES + RECON_FEATURES
+    n for n in FEATURES if n not in WEIGHT_FEATURES + RECON_FEATURES
 )
 STATS = ("attn", "attn_sq", "attn_cum", "recent", "recent_ent", "vnorm")
 _EPS = 1e-6
@@ -84,8 +84,8 @@ def _row_z(x_LBKC: jax.Array, valid_LBKC: jax.Array) -> jax.Array:
 
 def stats_for(names: tuple[str, ...]) -> tuple[str, ...]:
     """The cache statistics the features ``names`` read: ``STATS``, and ``wo_vnorm``
-    (``WEIGHT_STATS``, written by the decoder) for ``MODEL_FEATURES``."""
-    return STATS + (WEIGHT_STATS if any(n in MODEL_FEATURES for n in names) else ())
+    (``WEIGHT_STATS``, written by the decoder) for ``WEIGHT_FEATURES``."""
+    return STATS + (WEIGHT_STATS if any(n in WEIGHT_FEATURES for n in names) else ())
 
 
 def _check_inputs(cache, names, reconstruction) -> None:
@@ -254,7 +254,7 @@ def ranker_policy(
     The state is ``(params, reconstruction)``: ``init(reconstruction=None)`` takes kvzip's
     reconstruction scores of the prompt, needed (and then required) only by
     ``RECON_FEATURES`` (such a ranker compresses once, ``prefill`` protocol, and only the
-    fidelity evaluation computes its state: ``Policy.window_input``). ``MODEL_FEATURES`` read
+    fidelity evaluation computes its state: ``Policy.window_input``). ``WEIGHT_FEATURES`` read
     the cache statistic ``wo_vnorm``, which the policy lists in its ``stats``."""
     for what, share in (
         ("recent_fraction", recent_fraction),
