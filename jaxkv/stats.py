@@ -157,19 +157,15 @@ def projected_value_norms(v_BKTH: jax.Array, wo_NHD: jax.Array, *, chunk: int = 
 
     ``wo_NHD`` is one layer's output projection as a float array. The projected values
     [B, K, t, G, D] exist ``chunk`` tokens at a time (a prompt of 8 x 4K at once: 680 MB)."""
-    B, K, T, H = v_BKTH.shape
+    K, H = v_BKTH.shape[1], v_BKTH.shape[3]
     wo_KGHD = wo_NHD.reshape(K, -1, H, wo_NHD.shape[-1]).astype(jnp.float32)
 
-    def norms(v_BKtH):
-        out = jnp.einsum("bkth,kghd->bktgd", v_BKtH.astype(jnp.float32), wo_KGHD)
+    def norms(v_BKH):
+        out = jnp.einsum("bkh,kghd->bkgd", v_BKH.astype(jnp.float32), wo_KGHD)
         return jnp.mean(jnp.sum(jnp.abs(out), axis=-1), axis=-1)
 
-    if T <= chunk:
-        return norms(v_BKTH)
-    n = -(-T // chunk)
-    v = jnp.pad(v_BKTH, ((0, 0), (0, 0), (0, n * chunk - T), (0, 0)))
-    out_nBKc = jax.lax.map(norms, jnp.moveaxis(v.reshape(B, K, n, chunk, H), 2, 0))
-    return jnp.moveaxis(out_nBKc, 0, 2).reshape(B, K, n * chunk)[..., :T]
+    out_TBK = jax.lax.map(norms, jnp.moveaxis(v_BKTH, 2, 0), batch_size=chunk)
+    return jnp.moveaxis(out_TBK, 0, 2)
 
 
 FEATURE_NAMES = ("alpha", "vnorm", "sigma", "entropy", "pos")
