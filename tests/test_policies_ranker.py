@@ -233,6 +233,22 @@ def test_value_target_weights_the_future_attention_by_the_value_norm():
         dataclasses.replace(SMALL, target="mass")
 
 
+def test_peak_target_is_the_most_any_future_query_pays_times_the_value_norm():
+    peak = dataclasses.replace(SMALL, target="peak", chunk=1)
+    sets = ranker.collect(PARAMS, CFG, TOKENS, peak, rng=np.random.default_rng(0))
+    iv = ranker_lib.FEATURES.index("log_vnorm")
+    for s in sets:
+        p = s.point
+        attn = np.asarray(full_cache_attention(PARAMS, TOKENS, prompt_len=p, config=CFG))
+        want = attn[: SMALL.horizon].max(0)[..., :p].reshape(-1, p)  # queries p .. p + 15
+        np.testing.assert_allclose(s.future, want, rtol=2e-5, atol=1e-6)
+        vnorm = np.exp(s.feats[..., iv].astype(np.float32))
+        np.testing.assert_allclose(s.target, want * vnorm, rtol=2e-5, atol=1e-6)
+        assert not np.allclose(s.future, attn[: SMALL.horizon].sum(0)[..., :p].reshape(-1, p))
+    with pytest.raises(ValueError, match="chunk=1"):  # a pass of 8 queries keeps only its last
+        dataclasses.replace(SMALL, target="peak")
+
+
 def _prefilled(n=16, stats=None):
     stats = ranker_lib.stats_for(ranker_lib.FEATURES) if stats is None else stats
     cache = kvcache.init_cache(CFG, batch_size=2, capacity=24, stats=stats)

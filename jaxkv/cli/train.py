@@ -91,7 +91,8 @@ def ranker_parser() -> argparse.ArgumentParser:
         choices=ranker_lib.TARGETS,
         default=d.target,
         help="rank by the future attention a token gets, or by that times its value norm "
-        "(value) or its norm after the output projection, ||W_o v||_1 (critical)",
+        "(value) or its norm after the output projection, ||W_o v||_1 (critical), or by the "
+        "most attention any one future query pays it times its value norm (peak; --chunk 1)",
     )
     ap.add_argument(
         "--no-fit-pruned",

@@ -18,6 +18,13 @@ after the prefill and after every chunk; its rows at each point are recorded too
 token with the full cache's future attention at its position as the target. They train
 unless ``fit_pruned`` is off (then they only validate).
 
+With ``target="peak"`` the future attention is the most that any one of the next ``horizon``
+queries pays the token (mean over its KV group), not their sum, times its value norm: the
+kind of score kvzip keeps by (the most attention any reconstruction query pays), which favours
+a token one query needs badly over one many queries glance at. It reads each query's own
+attention, so it needs ``chunk`` = 1 (one teacher-forced token per pass, where ``attn`` is
+that query's attention).
+
 With ``target="value"`` the target is that future attention times the token's value norm
 (``||v||``, the ``vnorm`` statistic): what dropping the token removes from the attention
 outputs, to first order, rather than from their weights (CriticalKV's argument). With
@@ -71,10 +78,11 @@ from jaxkv.policies import ranker as ranker_lib
 from jaxkv.rl import recall as recall_lib
 from jaxkv.rl.data import RECALL_DOMAIN, TRAIN_DOMAINS, domain_text
 
-TARGETS = ("attention", "value", "critical")
+TARGETS = ("attention", "value", "critical", "peak")
 _NORM = {  # the norm each target weights the future attention by, as a stored log feature
     "value": ranker_lib.FEATURES.index("log_vnorm"),
     "critical": ranker_lib.FEATURES.index("log_wo_vnorm"),
+    "peak": ranker_lib.FEATURES.index("log_vnorm"),
 }
 
 
@@ -117,6 +125,11 @@ class RankerConfig:
             raise ValueError("points and horizon must lie on the chunk grid")
         if self.target not in TARGETS:
             raise ValueError(f"target must be one of {TARGETS}, got {self.target!r}")
+        if self.target == "peak" and self.chunk != 1:
+            raise ValueError(
+                "the peak target reads each future query's own attention: it needs chunk=1 "
+                f"(one query per teacher-forced pass), got chunk={self.chunk}"
+            )
         unknown = set(self.features) - set(ranker_lib.FEATURES)
         if not self.features or unknown:
             raise ValueError(f"features must be some of {ranker_lib.FEATURES}, got {unknown}")
@@ -243,7 +256,9 @@ def collect(
             for k in kinds
         }
         states = {k: {} for k in kinds}  # kind -> point -> cache at that point
+        ends = {*cfg.points, *(p + cfg.horizon for p in cfg.points)}
         cum = {cfg.points[0]: caches[None].stats["attn_cum"]}
+        peak = {}  # point P -> the most attention any query in (P, P + horizon] paid each slot
         n = cfg.points[0]
         while n < max(cfg.points) + cfg.horizon:
             for k in kinds:
@@ -253,9 +268,15 @@ def collect(
                     caches[k] = _evict(caches[k], _h2o(k, cfg.min_budget))
                 caches[k] = _extend(params, tokens[:, n : n + cfg.chunk], caches[k], config=config)
             n += cfg.chunk
-            cum[n] = caches[None].stats["attn_cum"]
+            if n in ends:
+                cum[n] = caches[None].stats["attn_cum"]
+            if cfg.target == "peak":  # chunk 1: ``attn`` is this one query's attention
+                for p in cfg.points:
+                    if p < n <= p + cfg.horizon:
+                        a = caches[None].stats["attn"]
+                        peak[p] = jnp.maximum(peak[p], a) if p in peak else a
         for p in cfg.points:
-            future = cum[p + cfg.horizon] - cum[p]
+            future = peak[p] if cfg.target == "peak" else cum[p + cfg.horizon] - cum[p]
             recon = _reconstruction(params, config, windows[b : b + cfg.batch, :p], cfg, repeat_R)
             for k in kinds:
                 f, t = (np.asarray(x) for x in _rows(states[k][p], future, recon))

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# results/distillcache_peak/PROTOCOL.md: `train` trains the one candidate (the recall ranker's
+# recipe with the peak target) and gives it the shipped attended tier; `select` scores it
+# against the shipped recall-tier ranker on the training domains and ships it if the rule
+# admits it; `heldout` runs decode-protocol fidelity on unread BIG-Bench Hard windows
+# (--heldout 0.8125) and retrieval on data seed 6, once, and only after a candidate shipped.
+# A finished run is skipped (delete its folder to redo it). Writes results/distillcache_peak/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+py=${PYTHON:-.venv/bin/python}
+source scripts/lib.sh
+out=${OUT:-results/distillcache_peak}
+work=runs/distillcache_peak
+shipped=ranker:ranker_recall_tier_smollm2_cpu
+ship=jaxkv/checkpoints/ranker_peak_tier_smollm2_cpu
+case "${1:-}" in
+  train)
+    [[ -f $work/peak/ranker.json ]] || "$py" -m jaxkv.train ranker \
+      --domains prose,math,code,chat,recall --windows-per-domain 12 --steps 1500 \
+      --target peak --chunk 1 --pool 90 --rows-per-step 270 --out "$work/peak"
+    [[ -f $work/peak_tier/ranker.json ]] || "$py" -c "
+from jaxkv.policies.ranker import retier
+retier('$work/peak', '$work/peak_tier', attended_fraction=0.5)" ;;
+  select)
+    domain_check "$out" "$shipped,ranker:$work/peak_tier"
+    "$py" scripts/distillcache_decode_select.py "$out" "ranker:$work/peak_tier=$work/peak_tier" \
+      --ship "$ship" ;;
+  heldout)
+    [[ -f $ship/ranker.json ]] || { echo "nothing shipped: see $0 select" >&2; exit 2; }
+    candidate=ranker:ranker_peak_tier_smollm2_cpu
+    decode_heldout "$out" "$candidate,$shipped" 0.8125
+    common=(--ratios 0.25 --limit 8 --data-seed 6 --tasks passkey,needle --lengths 1024,2048)
+    evaluate retrieval "$out/retrieval_global" "${common[@]}" --granularity global \
+      --policies "full,$candidate,$shipped,h2o,critical:h2o,tova"
+    evaluate retrieval "$out/retrieval_head" "${common[@]}" --granularity head \
+      --policies "$candidate,tova,h2o,critical:h2o,snapkv" ;;
+  *) echo "usage: $0 train | select | heldout" >&2; exit 2 ;;
+esac
