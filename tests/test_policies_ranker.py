@@ -319,6 +319,7 @@ def test_a_ranker_on_some_features_trains_saves_and_scores(tmp_path):
         ("ranker_recall_smollm2_cpu", 90),
         ("ranker_recall_attended_smollm2_cpu", 90),
         ("ranker_recall_tier_smollm2_cpu", 90),
+        ("ranker_peak_tier_smollm2_cpu", 90),
     ],
 )
 def test_shipped_rankers_load_and_never_read_the_held_out_domain(name, pool):
@@ -332,7 +333,11 @@ def test_shipped_rankers_load_and_never_read_the_held_out_domain(name, pool):
     assert reads_kvzip == name.startswith("ranker_kvzip")
     assert meta.get("base") == ("log_recon" if name == "ranker_kvzipres_smollm2_cpu" else None)
     tiers = {"ranker_recall_attended_smollm2_cpu": 0.125, "ranker_recall_tier_smollm2_cpu": 0.5}
+    tiers["ranker_peak_tier_smollm2_cpu"] = 0.5
     assert meta.get("attended_fraction") == tiers.get(name)
+    peak = meta["config"]["target"] == "peak"  # needs one query per pass (``chunk`` 1)
+    assert peak == (name == "ranker_peak_tier_smollm2_cpu")
+    assert peak == (meta["config"]["chunk"] == 1)
 
 
 @pytest.mark.parametrize(

@@ -27,4 +27,10 @@ by the rule of ``results/retrieval_attended/PROTOCOL.md`` (``scripts/retrieval_a
 ``ranker_recall_tier_smollm2_cpu/``: the same params with half the budget in that tier
 (``attended_fraction`` 0.5), chosen among 0.125, 0.25 and 0.5 by the rule of
 ``results/retrieval_tier/PROTOCOL.md`` (``scripts/retrieval_tier.sh``).
+
+``ranker_peak_tier_smollm2_cpu/``: the recall recipe trained on the ``peak`` target (the most
+attention any one of the next 128 queries pays a token, times its value norm; ``--target peak
+--chunk 1``) with the same tier (``attended_fraction`` 0.5), shipped by the rule of
+``results/distillcache_peak/PROTOCOL.md`` (``scripts/distillcache_peak.sh``): the recommended
+decode-protocol policy.
 """
