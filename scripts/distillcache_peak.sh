@@ -18,9 +18,7 @@ case "${1:-}" in
     [[ -f $work/peak/ranker.json ]] || "$py" -m jaxkv.train ranker \
       --domains prose,math,code,chat,recall --windows-per-domain 12 --steps 1500 \
       --target peak --chunk 1 --pool 90 --rows-per-step 270 --out "$work/peak"
-    [[ -f $work/peak_tier/ranker.json ]] || "$py" -c "
-from jaxkv.policies.ranker import retier
-retier('$work/peak', '$work/peak_tier', attended_fraction=0.5)" ;;
+    tier_candidate "$work/peak_tier" 0.5 "$work/peak" > /dev/null ;;
   select)
     domain_check "$out" "$shipped,ranker:$work/peak_tier"
     "$py" scripts/distillcache_decode_select.py "$out" "ranker:$work/peak_tier=$work/peak_tier" \

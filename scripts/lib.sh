@@ -31,11 +31,12 @@ prose_tail_check() {  # OUT GRANULARITY POLICIES: decode-protocol fidelity at r 
     --protocol decode --granularity "$2" --policies "$3"
 }
 
-tier_candidate() {  # DIR F: the recall ranker's params with an attended tier of F, saved once
-  # as DIR (ranker.retier); prints the candidate as POLICY=CHECKPOINT for the tier protocols
+tier_candidate() {  # DIR F [SRC]: a ranker's params (SRC, default the recall ranker) with an
+  # attended tier of F, saved once as DIR (ranker.retier); prints the candidate as
+  # POLICY=CHECKPOINT for the tier protocols
   [[ -f $1/ranker.json ]] || "$py" -c "
 from jaxkv.policies.ranker import retier
-retier('ranker_recall_smollm2_cpu', '$1', attended_fraction=$2)" >&2
+retier('${3:-ranker_recall_smollm2_cpu}', '$1', attended_fraction=$2)" >&2
   echo "ranker:$1=$1"
 }
 

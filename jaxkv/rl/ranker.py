@@ -271,10 +271,9 @@ def collect(
             if n in ends:
                 cum[n] = caches[None].stats["attn_cum"]
             if cfg.target == "peak":  # chunk 1: ``attn`` is this one query's attention
-                for p in cfg.points:
-                    if p < n <= p + cfg.horizon:
-                        a = caches[None].stats["attn"]
-                        peak[p] = jnp.maximum(peak[p], a) if p in peak else a
+                a = caches[None].stats["attn"]
+                for p in (p for p in cfg.points if p < n <= p + cfg.horizon):
+                    peak[p] = jnp.maximum(peak[p], a) if p in peak else a
         for p in cfg.points:
             future = peak[p] if cfg.target == "peak" else cum[p + cfg.horizon] - cum[p]
             recon = _reconstruction(params, config, windows[b : b + cfg.batch, :p], cfg, repeat_R)
