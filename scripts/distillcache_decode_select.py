@@ -1,13 +1,14 @@
-"""The decode protocols' selection rule (results/distillcache_tier_wide/PROTOCOL.md,
-results/distillcache_blend_decode/PROTOCOL.md): a candidate is admissible if its KL over the
-shipped recall-tier ranker's has a geometric mean of at most 1.02 over the four training
-domains at r = 0.25; the admissible one with the lowest geometric mean at r = 0.125 wins, and
-ships only if that mean is at most 0.97.
+"""The protocols' selection rule (results/distillcache_tier_wide/PROTOCOL.md,
+results/distillcache_blend_decode/PROTOCOL.md, results/distillcache_peak/PROTOCOL.md,
+results/distillcache_prefill_peak/PROTOCOL.md): a candidate is admissible if its KL over the
+shipped policy's (``--base``, default the recall-tier ranker) has a geometric mean of at most
+1.02 over the four training domains at r = 0.25; the admissible one with the lowest geometric
+mean at r = 0.125 wins, and ships only if that mean is at most 0.97.
 
 Usage: python scripts/distillcache_decode_select.py RESULTS_DIR CANDIDATE[=CHECKPOINT]...
-[--ship DIR] (reads RESULTS_DIR/check_*/fidelity.json; writes RESULTS_DIR/select.md; copies a
-winner's checkpoint to DIR; a candidate without one, e.g. a blend, ships by name). The verdict
-is printed.
+[--ship DIR] [--base POLICY] [--protocol decode|prefill] (reads RESULTS_DIR/check_*/
+fidelity.json; writes RESULTS_DIR/select.md; copies a winner's checkpoint to DIR; a candidate
+without one, e.g. a blend, ships by name). The verdict is printed.
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ ADMIT, SHIP = 1.02, 0.97  # geometric-mean bounds at r = 0.25 and r = 0.125
 RATIOS = (0.25, 0.125)
 
 
-def kl_ratios(results_dir: Path, policies: list[str]) -> dict[float, dict[str, list[float]]]:
-    """``{r: {policy: [KL(policy) / KL(BASE)] over the domains}}`` from every ``check_*`` run."""
+def kl_ratios(
+    results_dir: Path, policies: list[str], base: str = BASE
+) -> dict[float, dict[str, list[float]]]:
+    """``{r: {policy: [KL(policy) / KL(base)] over the domains}}`` from every ``check_*`` run."""
     out = {r: {p: [] for p in policies} for r in RATIOS}
     paths = sorted(results_dir.glob("check_*/fidelity.json"))
     if not paths:
@@ -36,7 +39,7 @@ def kl_ratios(results_dir: Path, policies: list[str]) -> dict[float, dict[str, l
         for r in RATIOS:
             kl = {row["policy"]: row["kl_mean"] for row in data["results"] if row["ratio"] == r}
             for p in policies:
-                out[r][p].append(kl[p] / kl[BASE])
+                out[r][p].append(kl[p] / kl[base])
     return out
 
 
@@ -45,11 +48,13 @@ def main() -> None:
     ap.add_argument("results_dir", type=Path)
     ap.add_argument("candidates", nargs="+", help="POLICY or POLICY=CHECKPOINT_DIR")
     ap.add_argument("--ship", type=Path, default=None, help="where a winner's checkpoint goes")
+    ap.add_argument("--base", default=BASE, help="the shipped policy the candidates must beat")
+    ap.add_argument("--protocol", default="decode", choices=("decode", "prefill"))
     args = ap.parse_args()
     paths = dict((*c.split("=", 1), None)[:2] for c in args.candidates)
     if args.ship is None and any(paths.values()):
         ap.error("candidates with checkpoints need --ship DIR")
-    ratios = kl_ratios(args.results_dir, list(paths))
+    ratios = kl_ratios(args.results_dir, list(paths), args.base)
     gm = {r: {p: statistics.geometric_mean(v) for p, v in by.items()} for r, by in ratios.items()}
     admissible = [p for p in paths if gm[0.25][p] <= ADMIT]
     best = min(admissible, key=lambda p: gm[0.125][p]) if admissible else None
@@ -69,9 +74,10 @@ def main() -> None:
     ]
     text = "\n".join(
         [
-            "# Decode candidates, chosen on the training domains (PROTOCOL.md)",
+            f"# {args.protocol.capitalize()} candidates, chosen on the training domains "
+            "(PROTOCOL.md)",
             "",
-            f"KL over `{BASE}`'s, decode protocol, global granularity, 4 windows of "
+            f"KL over `{args.base}`'s, {args.protocol} protocol, global granularity, 4 windows of "
             "each training domain (chat, code, math, prose: the order of the last column).",
             "",
             f"| candidate | geometric mean, r = 0.25 | admissible (<= {ADMIT}) | "

@@ -24,11 +24,16 @@ def _fidelity(path: Path, kl: dict, *, per_window: int = 0) -> None:
     (path / "fidelity.json").write_text(json.dumps(doc))
 
 
-def _select(tmp_path: Path, ratios: dict, *, checkpoints: bool = True) -> tuple[str, Path]:
+def _select(
+    tmp_path: Path, ratios: dict, *, checkpoints: bool = True, base: str | None = None
+) -> tuple[str, Path]:
     """Runs the rule on 4 domains where candidate c has KL ``ratios[c][r]`` × the base's (each
-    with a checkpoint to ship, or a policy name only)."""
+    with a checkpoint to ship, or a policy name only); ``base`` is passed as ``--base``, and the
+    default base then gets the KL that would make every candidate ship."""
     for domain in ("chat", "code", "math", "prose"):
-        kl = {(BASE, r): 1.0 for r in (0.25, 0.125)}
+        kl = {(base or BASE, r): 1.0 for r in (0.25, 0.125)}
+        if base:
+            kl |= {(BASE, r): 10.0 for r in (0.25, 0.125)}
         kl |= {(c, r): x for c, by in ratios.items() for r, x in by.items()}
         _fidelity(tmp_path / f"check_{domain}", kl)
     for c in ratios:
@@ -38,6 +43,7 @@ def _select(tmp_path: Path, ratios: dict, *, checkpoints: bool = True) -> tuple[
     args = [f"{c}={tmp_path / c}" if checkpoints else c for c in ratios]
     ship = ["--ship", shipped] if checkpoints else []
     cmd = [sys.executable, SCRIPTS / "distillcache_decode_select.py", tmp_path, *args, *ship]
+    cmd += ["--base", base, "--protocol", "prefill"] if base else []
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     return out.split("Verdict: ", 1)[1], shipped
 
@@ -60,6 +66,14 @@ def test_decode_rule(tmp_path, ratios, winner, checkpoints):
     else:
         assert verdict.startswith(f"`{winner}` wins and ships")
     assert (shipped / "ranker.json").exists() == (checkpoints and winner is not None)
+
+
+def test_rule_against_another_base(tmp_path):
+    # b beats the default base by far, but not rerank@0.5:x, the base the protocol names
+    ratios = {"b": {0.25: 1.0, 0.125: 0.98}}
+    verdict, _ = _select(tmp_path, ratios, checkpoints=False, base="rerank@0.5:x")
+    assert "nothing ships" in verdict
+    assert "prefill protocol" in (tmp_path / "select.md").read_text()
 
 
 def test_report_names_only_the_planned_runs(tmp_path):
