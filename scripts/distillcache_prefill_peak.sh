@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # results/distillcache_prefill_peak/PROTOCOL.md: `select` scores the peak ranker's order inside
 # kvzip's allocation (rerank@0.5 and @0.75) against the shipped prefill blend on the training
-# domains and applies the rule; `heldout` runs the prefill protocol on unread BIG-Bench Hard
-# windows (--heldout 0.6875), once, and only after a candidate won. A finished run is skipped
-# (delete its folder to redo it). Writes results/distillcache_prefill_peak/.
+# domains and applies the rule (none won); `train` trains the third candidate, the kvzip-feature
+# ranker's recipe with the peak target, and `select2` scores it the same way; `heldout` runs the
+# prefill protocol on unread BIG-Bench Hard windows (--heldout 0.6875), once, and only after a
+# candidate won. A finished run is skipped (delete its folder to redo it). Writes
+# results/distillcache_prefill_peak/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-.venv/bin/python}
@@ -13,18 +15,38 @@ shipped=rerank@0.5:ranker:ranker_kvzip_smollm2_cpu
 candidates=(rerank@0.5:ranker:ranker_peak_tier_smollm2_cpu rerank@0.75:ranker:ranker_peak_tier_smollm2_cpu)
 window=(--window 384 --prompt-len 256 --ratios 0.25,0.125 --protocol prefill)
 nocap=(--head-floor 0 --head-cap 8)
+work=runs/distillcache_prefill_peak
+kvzip_features=log_attn,log_attn_var,log_attn_cum,log_attn_mean,log_recent,entropy,log_vnorm
+kvzip_features+=,log_age,log_pos,pos_frac,depth,z_attn_cum,z_recent,log_recon,z_recon
+check() {  # OUT POLICIES...: the candidates beside the shipped blend on the training domains
+  local dir=$1 domain text
+  shift
+  for domain in prose math code chat; do
+    text=runs/distillcache_blend/$domain.txt
+    [[ -f $text ]] || write_text "$domain" "$text"
+    evaluate fidelity "$dir/check_$domain" --text "$text" --limit 4 "${window[@]}" \
+      --granularity global "${nocap[@]}" --policies "$shipped,$(IFS=,; echo "$*")"
+  done
+}
 case "${1:-}" in
   select)
-    for domain in prose math code chat; do
-      text=runs/distillcache_blend/$domain.txt
-      [[ -f $text ]] || write_text "$domain" "$text"
-      evaluate fidelity "$out/check_$domain" --text "$text" --limit 4 "${window[@]}" \
-        --granularity global "${nocap[@]}" --policies "$shipped,$(IFS=,; echo "${candidates[*]}")"
-    done
+    check "$out" "${candidates[@]}"
     "$py" scripts/distillcache_decode_select.py "$out" "${candidates[@]}" --base "$shipped" \
       --protocol prefill ;;
+  train)
+    [[ -f $work/kvzip_peak/ranker.json ]] || "$py" -m jaxkv.train ranker \
+      --domains prose,math,code,chat --windows-per-domain 12 --steps 1500 --points 128,256,384 \
+      --features "$kvzip_features" --target peak --chunk 1 --pool 90 --rows-per-step 270 \
+      --out "$work/kvzip_peak" ;;
+  select2)
+    third=rerank@0.5:ranker:$work/kvzip_peak
+    check "$out/third" "$third"
+    "$py" scripts/distillcache_decode_select.py "$out/third" "$third=$work/kvzip_peak" \
+      --base "$shipped" --protocol prefill --ship jaxkv/checkpoints/ranker_kvzip_peak_smollm2_cpu
+    cp "$out/third/select.md" "$out/select2.md" ;;
   heldout)
-    winner=$(sed -n 's/^Verdict: `\(.*\)` wins and ships.*/\1/p' "$out/select.md" 2> /dev/null)
+    winner=$(sed -n 's/^Verdict: `\(.*\)` wins and ships.*/\1/p' "$out/select2.md" 2> /dev/null)
+    winner=${winner/$work\/kvzip_peak/ranker_kvzip_peak_smollm2_cpu}
     [[ -n $winner ]] || { echo "no winner: see $0 select" >&2; exit 2; }
     text=runs/distillcache_tier_wide/heldout.txt
     [[ -f $text ]] || write_text reasoning "$text"
@@ -40,7 +62,12 @@ case "${1:-}" in
     evaluate fidelity "$out/prefill_adaptive" "${fresh[@]}" --granularity adaptive \
       --policies "kvzip,$heur"
     evaluate fidelity "$out/prefill_shared" "${fresh[@]}" --granularity shared --policies "$heur"
+    if [[ ! -f $out/kvpress.json ]]; then  # kvpress's KVzipPress on the same windows
+      OUT=runs/kvpress-prefill-peak RESULTS=$out/kvpress_comparison HELDOUT=0.6875 LIMIT=8 \
+        STEPS="1 2 4 5" PRESSES=KVzipPress scripts/compare_kvpress.sh "$text"
+      cp runs/kvpress-prefill-peak/kvpress.json "$out/kvpress.json"
+    fi
     "$py" scripts/distillcache_confirm_report.py "$out" --runs \
       prefill_global_nocap,prefill_global,prefill_head,prefill_layer,prefill_adaptive,prefill_shared ;;
-  *) echo "usage: $0 select | heldout" >&2; exit 2 ;;
+  *) echo "usage: $0 select | train | select2 | heldout" >&2; exit 2 ;;
 esac
