@@ -2,10 +2,10 @@
 # results/distillcache_prefill_peak/PROTOCOL.md: `select` scores the peak ranker's order inside
 # kvzip's allocation (rerank@0.5 and @0.75) against the shipped prefill blend on the training
 # domains and applies the rule (none won); `train` trains the third candidate, the kvzip-feature
-# ranker's recipe with the peak target, and `select2` scores it the same way; `heldout` runs the
-# prefill protocol on unread BIG-Bench Hard windows (--heldout 0.6875), once, and only after a
-# candidate won. A finished run is skipped (delete its folder to redo it). Writes
-# results/distillcache_prefill_peak/.
+# ranker's recipe with the peak target, and `select2` scores it the same way (it did not win);
+# `confirm` runs the shipped blend, every heuristic and kvpress's KVzipPress in the prefill
+# protocol on unread BIG-Bench Hard windows (--heldout 0.6875), once. A finished run is skipped
+# (delete its folder to redo it). Writes results/distillcache_prefill_peak/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-.venv/bin/python}
@@ -44,18 +44,15 @@ case "${1:-}" in
     "$py" scripts/distillcache_decode_select.py "$out/third" "$third=$work/kvzip_peak" \
       --base "$shipped" --protocol prefill --ship jaxkv/checkpoints/ranker_kvzip_peak_smollm2_cpu
     cp "$out/third/select.md" "$out/select2.md" ;;
-  heldout)
-    winner=$(sed -n 's/^Verdict: `\(.*\)` wins and ships.*/\1/p' "$out/select2.md" 2> /dev/null)
-    winner=${winner/$work\/kvzip_peak/ranker_kvzip_peak_smollm2_cpu}
-    [[ -n $winner ]] || { echo "no winner: see $0 select" >&2; exit 2; }
+  confirm)  # no candidate won: the shipped blend, once, on the windows kept for the winner
     text=runs/distillcache_tier_wide/heldout.txt
     [[ -f $text ]] || write_text reasoning "$text"
     fresh=(--text "$text" --heldout 0.6875 --limit 8 "${window[@]}")
     heur=critical:h2o,h2o,tova
     evaluate fidelity "$out/prefill_global_nocap" "${fresh[@]}" --granularity global \
-      "${nocap[@]}" --policies "$winner,$shipped,kvzip,oracle"
+      "${nocap[@]}" --policies "$shipped,kvzip,oracle"
     evaluate fidelity "$out/prefill_global" "${fresh[@]}" --granularity global \
-      --policies "$winner,$shipped,kvzip,$heur,snapkv,expected_attention,streaming_llm,oracle"
+      --policies "$shipped,kvzip,$heur,snapkv,expected_attention,streaming_llm,oracle"
     evaluate fidelity "$out/prefill_head" "${fresh[@]}" --granularity head \
       --policies "kvzip,$heur,snapkv,expected_attention,streaming_llm"
     evaluate fidelity "$out/prefill_layer" "${fresh[@]}" --granularity layer --policies "kvzip,$heur"
@@ -69,5 +66,5 @@ case "${1:-}" in
     fi
     "$py" scripts/distillcache_confirm_report.py "$out" --runs \
       prefill_global_nocap,prefill_global,prefill_head,prefill_layer,prefill_adaptive,prefill_shared ;;
-  *) echo "usage: $0 select | train | select2 | heldout" >&2; exit 2 ;;
+  *) echo "usage: $0 select | train | select2 | confirm" >&2; exit 2 ;;
 esac
