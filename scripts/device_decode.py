@@ -26,12 +26,15 @@ context 96) so that the script can be checked on a CPU in seconds.
 
     python scripts/device_decode.py [--small] [--out DIR] [--steps 32] [--runs 7]
 
-On the device machine (JAX with CUDA is there; of jaxkv's imports only ``gguf`` is not, so its
-wheel travels in ``.whl``: here, ``python3 -m pip download --no-deps --only-binary=:all: -d
-.whl gguf==0.19.0``; there, with ``.whl`` carried):
+On the device machine (JAX with CUDA is there; of jaxkv's imports ``gguf`` and ``qwix`` are not,
+so their wheels travel in ``.whl``: here, ``python3 -m pip download --no-deps
+--only-binary=:all: -d .whl gguf==0.19.0 qwix==0.1.8``; there, with ``.whl`` carried):
 
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/gguf-*.whl
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
     PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 python3 scripts/device_decode.py
+
+At ``--context 16384`` add ``XLA_PYTHON_CLIENT_MEM_FRACTION=0.92`` (all five variants' caches
+live at once). The H200 runs of session 25 are in ``results/device_decode/``.
 """
 
 from __future__ import annotations
