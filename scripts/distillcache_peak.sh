@@ -3,7 +3,8 @@
 # recipe with the peak target) and gives it the shipped attended tier; `select` scores it
 # against the shipped recall-tier ranker on the training domains and ships it if the rule
 # admits it; `heldout` runs decode-protocol fidelity on unread BIG-Bench Hard windows
-# (--heldout 0.8125) and retrieval on data seed 6, once, and only after a candidate shipped.
+# (--heldout 0.8125) and retrieval on data seed 6, once, and only after a candidate shipped;
+# `second` repeats the decode run on a second unread slice (--heldout 0.5625).
 # A finished run is skipped (delete its folder to redo it). Writes results/distillcache_peak/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -32,5 +33,7 @@ case "${1:-}" in
       --policies "full,$candidate,$shipped,h2o,critical:h2o,tova"
     evaluate retrieval "$out/retrieval_head" "${common[@]}" --granularity head \
       --policies "$candidate,tova,h2o,critical:h2o,snapkv" ;;
-  *) echo "usage: $0 train | select | heldout" >&2; exit 2 ;;
+  second)  # the same decode run, once, on a second unread slice (PROTOCOL.md, session 25)
+    decode_heldout "$out/second" "ranker:ranker_peak_tier_smollm2_cpu,$shipped" 0.5625 ;;
+  *) echo "usage: $0 train | select | heldout | second" >&2; exit 2 ;;
 esac
