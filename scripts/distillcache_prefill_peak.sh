@@ -12,7 +12,8 @@ py=${PYTHON:-.venv/bin/python}
 source scripts/lib.sh
 out=${OUT:-results/distillcache_prefill_peak}
 shipped=rerank@0.5:ranker:ranker_kvzip_smollm2_cpu
-candidates=(rerank@0.5:ranker:ranker_peak_tier_smollm2_cpu rerank@0.75:ranker:ranker_peak_tier_smollm2_cpu)
+candidates=(rerank@0.5:ranker:ranker_peak_tier_smollm2_cpu
+  rerank@0.75:ranker:ranker_peak_tier_smollm2_cpu)
 window=(--window 384 --prompt-len 256 --ratios 0.25,0.125 --protocol prefill)
 nocap=(--head-floor 0 --head-cap 8)
 work=runs/distillcache_prefill_peak
