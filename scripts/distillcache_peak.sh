@@ -4,7 +4,8 @@
 # against the shipped recall-tier ranker on the training domains and ships it if the rule
 # admits it; `heldout` runs decode-protocol fidelity on unread BIG-Bench Hard windows
 # (--heldout 0.8125) and retrieval on data seed 6, once, and only after a candidate shipped;
-# `second` repeats the decode run on a second unread slice (--heldout 0.5625).
+# `second` repeats the decode run on a second unread slice (--heldout 0.5625) and
+# `second-retrieval` the retrieval runs on a second fresh seed (7).
 # A finished run is skipped (delete its folder to redo it). Writes results/distillcache_peak/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,6 +15,15 @@ out=${OUT:-results/distillcache_peak}
 work=runs/distillcache_peak
 shipped=ranker:ranker_recall_tier_smollm2_cpu
 ship=jaxkv/checkpoints/ranker_peak_tier_smollm2_cpu
+candidate=ranker:ranker_peak_tier_smollm2_cpu
+retrieval() {  # OUT SEED: passkey and needle at 1K / 2K, r = 0.25, on data seed SEED
+  local common=(--ratios 0.25 --limit 8 --data-seed "$2" --tasks passkey,needle
+    --lengths 1024,2048)
+  evaluate retrieval "$1/retrieval_global" "${common[@]}" --granularity global \
+    --policies "full,$candidate,$shipped,h2o,critical:h2o,tova"
+  evaluate retrieval "$1/retrieval_head" "${common[@]}" --granularity head \
+    --policies "$candidate,tova,h2o,critical:h2o,snapkv"
+}
 case "${1:-}" in
   train)
     [[ -f $work/peak/ranker.json ]] || "$py" -m jaxkv.train ranker \
@@ -26,14 +36,11 @@ case "${1:-}" in
       --ship "$ship" ;;
   heldout)
     [[ -f $ship/ranker.json ]] || { echo "nothing shipped: see $0 select" >&2; exit 2; }
-    candidate=ranker:ranker_peak_tier_smollm2_cpu
     decode_heldout "$out" "$candidate,$shipped" 0.8125
-    common=(--ratios 0.25 --limit 8 --data-seed 6 --tasks passkey,needle --lengths 1024,2048)
-    evaluate retrieval "$out/retrieval_global" "${common[@]}" --granularity global \
-      --policies "full,$candidate,$shipped,h2o,critical:h2o,tova"
-    evaluate retrieval "$out/retrieval_head" "${common[@]}" --granularity head \
-      --policies "$candidate,tova,h2o,critical:h2o,snapkv" ;;
+    retrieval "$out" 6 ;;
   second)  # the same decode run, once, on a second unread slice (PROTOCOL.md, session 25)
-    decode_heldout "$out/second" "ranker:ranker_peak_tier_smollm2_cpu,$shipped" 0.5625 ;;
-  *) echo "usage: $0 train | select | heldout | second" >&2; exit 2 ;;
+    decode_heldout "$out/second" "$candidate,$shipped" 0.5625 ;;
+  second-retrieval)  # the same retrieval runs, once, on a second fresh seed (session 25)
+    retrieval "$out/second" 7 ;;
+  *) echo "usage: $0 train | select | heldout | second | second-retrieval" >&2; exit 2 ;;
 esac
