@@ -15,7 +15,7 @@ out=${OUT:-results/distillcache_peak}
 work=runs/distillcache_peak
 shipped=ranker:ranker_recall_tier_smollm2_cpu
 ship=jaxkv/checkpoints/ranker_peak_tier_smollm2_cpu
-candidate=ranker:ranker_peak_tier_smollm2_cpu
+candidate=ranker:${ship##*/}
 retrieval() {  # OUT SEED: passkey and needle at 1K / 2K, r = 0.25, on data seed SEED
   local common=(--ratios 0.25 --limit 8 --data-seed "$2" --tasks passkey,needle
     --lengths 1024,2048)

@@ -46,8 +46,7 @@ case "${1:-}" in
       --base "$shipped" --protocol prefill --ship jaxkv/checkpoints/ranker_kvzip_peak_smollm2_cpu
     cp "$out/third/select.md" "$out/select2.md" ;;
   confirm)  # no candidate won: the shipped blend, once, on the windows kept for the winner
-    text=runs/distillcache_tier_wide/heldout.txt
-    [[ -f $text ]] || write_text reasoning "$text"
+    text=$(bbh_text)
     fresh=(--text "$text" --heldout 0.6875 --limit 8 "${window[@]}")
     heur=critical:h2o,h2o,tova
     evaluate fidelity "$out/prefill_global_nocap" "${fresh[@]}" --granularity global \

@@ -71,14 +71,19 @@ recall_heldout() {  # OUT DATA_SEED BBH_OFFSET RETRIEVAL_GLOBAL RETRIEVAL_HEAD F
   evaluate fidelity "$out/fidelity_head" "${fresh[@]}" --granularity head --policies critical:h2o
 }
 
+bbh_text() {  # the held-out domain's (BIG-Bench Hard) text, written once; prints its path
+  local text=runs/distillcache_tier_wide/heldout.txt
+  [[ -f $text ]] || write_text reasoning "$text" >&2
+  echo "$text"
+}
+
 decode_heldout() {  # OUT POLICIES [OFFSET]: the decode protocols' held-out run (results/
   # distillcache_tier_wide/PROTOCOL.md, distillcache_blend_decode/PROTOCOL.md and
   # distillcache_peak/PROTOCOL.md): fidelity on the BIG-Bench Hard windows at --heldout OFFSET
   # (default 0.125), decode protocol, r = 0.25 and 0.125, POLICIES at global and the
   # heuristics per head and per layer, then the table (OUT/tables.md).
-  local out=$1
-  local text=runs/distillcache_tier_wide/heldout.txt
-  [[ -f $text ]] || write_text reasoning "$text"
+  local out=$1 text
+  text=$(bbh_text)
   local fresh=(--text "$text" --heldout "${3:-0.125}" --limit 8 --window 384 --prompt-len 256
     --protocol decode --ratios 0.25,0.125)
   evaluate fidelity "$out/decode_global" "${fresh[@]}" --granularity global --policies "$2"
