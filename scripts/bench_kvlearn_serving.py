@@ -10,6 +10,7 @@ Usage: python scripts/bench_kvlearn_serving.py [--trace PATH] [--out results/kvl
            [--seeds 0,1,2]
        python scripts/bench_kvlearn_serving.py --protocol [--protocol-scale 1] [--out DIR]
        python scripts/bench_kvlearn_serving.py --protocol-report results/kvlearn/protocol.json
+       python scripts/bench_kvlearn_serving.py --confirm SEED [--setting NAME] [--out DIR]
 
 Writes serving_goals.json and serving_goals.md. KVLearn's hyper-parameters are its defaults
 (``BlockKVLearnConfig`` in ``jaxkv/kvlearn/serving/policies/kvlearn.py``), chosen on the first
@@ -169,6 +170,7 @@ PROTOCOL_GRID = {
         "slack": 0.0,
     },
 }
+CONFIRM_SETTING = "guard:moon+ca+gdsf,0%"  # every fold of the fourth protocol run chose it
 GOAL_RATIO = 1.01  # the issue's bound on KVLearn / best classical, mean and p99, per cell
 LEARNED = ("kvlearn", "kvlearn_experts")  # never a baseline; ``kvlearn`` in the tables = chosen
 PROTOCOL_REQUESTS = {"chat": 6000, "agent": 3000, "rag": 6000}
@@ -216,6 +218,20 @@ def main() -> None:
     p.add_argument("--seeds", default="0,1,2", help="PRP seeds per variant for --tune")
     p.add_argument("--protocol", action="store_true", help="leave-one-workload-out protocol")
     p.add_argument(
+        "--confirm",
+        type=int,
+        metavar="SEED",
+        help="run --setting once on the four generated workloads made with SEED (a seed no "
+        "run has used), every cell held out; writes confirm_seed<SEED>.{json,md} to --out",
+    )
+    p.add_argument(
+        "--setting",
+        default=CONFIRM_SETTING,
+        choices=list(PROTOCOL_GRID),
+        help="the grid setting --confirm runs (default: the one every fold of the fourth "
+        "protocol run chose)",
+    )
+    p.add_argument(
         "--protocol-report",
         metavar="JSON",
         help="re-render protocol.md (and the summary) from a protocol.json; simulates nothing",
@@ -232,6 +248,10 @@ def main() -> None:
         return protocol(cost, Path(args.out), scale=args.protocol_scale)
     if args.protocol_report:
         return protocol_report(Path(args.protocol_report))
+    if args.confirm is not None:
+        return confirm(
+            cost, Path(args.out), seed=args.confirm, setting=args.setting, scale=args.protocol_scale
+        )
     base = traces_lib.load_mooncake_trace(traces_lib.trace_path(args.trace))
     if args.speed:
         return speed(base, cost, args.prefill_nodes, Path(args.out))
@@ -390,18 +410,26 @@ def _loaded(records: list[dict]) -> traces_lib.MooncakeTrace:
         return traces_lib.load_mooncake_trace(f"{d}/w.jsonl")
 
 
-def protocol_workloads(scale: float = 1.0) -> dict[str, traces_lib.MooncakeTrace]:
-    """The five workloads of the protocol ({name: trace}); ``scale`` < 1 shrinks them."""
+def protocol_workloads(
+    scale: float = 1.0, seed: int | None = None
+) -> dict[str, traces_lib.MooncakeTrace]:
+    """The five workloads of the protocol ({name: trace}); ``scale`` < 1 shrinks them. With
+    ``seed``: the four generated ones only (chat, agent, rag, the heavy MM-Session), each
+    generated with ``seed`` (``--confirm``)."""
     out = {}
     for kind, n in PROTOCOL_REQUESTS.items():
-        out[kind] = _loaded(workloads.WORKLOADS[kind][0](max(50, int(scale * n)), seed=0))
-    sessions, seed = PROTOCOL_MM
+        gen = workloads.WORKLOADS[kind][0]
+        out[kind] = _loaded(gen(max(50, int(scale * n)), seed=0 if seed is None else seed))
+    sessions, mm_seed = PROTOCOL_MM
     mm = workloads.MMSessionConfig(**workloads.MM_HEAVY)
     out["mmsession"] = _loaded(
-        workloads.mm_session(max(20, int(scale * sessions)), seed=seed, cfg=mm)
+        workloads.mm_session(
+            max(20, int(scale * sessions)), seed=mm_seed if seed is None else seed, cfg=mm
+        )
     )
-    example = traces_lib.load_mooncake_trace(traces_lib.trace_path(TRACE))
-    out["example"] = example.head(max(100, int(scale * len(example))))
+    if seed is None:
+        example = traces_lib.load_mooncake_trace(traces_lib.trace_path(TRACE))
+        out["example"] = example.head(max(100, int(scale * len(example))))
     return out
 
 
@@ -418,20 +446,18 @@ def deployment(tr: traces_lib.MooncakeTrace, cost: CostModel, rho: float) -> tup
     return nodes, nodes * rho / busy
 
 
-def protocol(cost: CostModel, out: Path, *, scale: float) -> None:
-    """Leave-one-workload-out: every policy and every ``PROTOCOL_GRID`` setting once on every
-    workload × pool, then one fold per held-out workload (``protocol_fold``); writes
-    protocol.json and protocol.md."""
+def simulate_cells(
+    traces: dict[str, traces_lib.MooncakeTrace], cost: CostModel, settings: list[str]
+) -> tuple[dict, dict]:
+    """Every baseline and bound, and KVLearn with each grid setting, once on every workload ×
+    pool, each workload deployed at ρ* (``deployment``): ({(workload, pool, run): summary},
+    {workload: size and deployment})."""
     t_start = time.perf_counter()
-    example = traces_lib.load_mooncake_trace(traces_lib.trace_path(TRACE))
-    rho = _busy(example, cost) / REF_NODES
-    classical = [c for c in CLASSICAL if c in BLOCK_POLICIES]
+    rho = _rho(cost)
     baselines = [x for x in BLOCK_POLICIES if x not in LEARNED]
-    print(f"registry: {', '.join(BLOCK_POLICIES)}; classical: {', '.join(classical)}")
-    print(f"rho* = {rho:.3f}; grid: {', '.join(PROTOCOL_GRID)}", flush=True)
     runs: dict[tuple, dict] = {}
     info = {}
-    for name, tr0 in protocol_workloads(scale).items():
+    for name, tr0 in traces.items():
         nodes, load = deployment(tr0, cost, rho)
         tr = tr0.scaled(load)
         n_ref, n_blk = int(sum(len(b) for b in tr.blocks)), _distinct(tr)
@@ -445,20 +471,23 @@ def protocol(cost: CostModel, out: Path, *, scale: float) -> None:
         for frac in FRACS:
             cfg = engine.ServingConfig(pool_blocks=int(frac * n_blk), prefill_nodes=nodes)
             todo = [(b, b, {}) for b in baselines]
-            todo += [(f"kvlearn:{g}", *_grid_policy(kw)) for g, kw in PROTOCOL_GRID.items()]
+            todo += [(f"kvlearn:{g}", *_grid_policy(PROTOCOL_GRID[g])) for g in settings]
             for key, policy, kw in todo:
                 t0 = time.perf_counter()
                 r = _summary(tr, policy, cfg, cost, **kw) | {"wall_s": time.perf_counter() - t0}
                 runs[(name, frac, key)] = r | {"pool_blocks": cfg.pool_blocks}
             elapsed = time.perf_counter() - t_start
             print(f"  pool {frac:.0%} done ({elapsed:.0f} s)", flush=True)
-    folds = [protocol_fold(w, list(info), runs, classical) for w in info]
-    meta = {
+    return runs, info
+
+
+def _meta(rho: float, scale: float, info: dict, t_start: float) -> dict:
+    return {
         "rho_star": rho,
         "ref_nodes": REF_NODES,
         "scale": scale,
         "registry": list(BLOCK_POLICIES),
-        "classical": classical,
+        "classical": [c for c in CLASSICAL if c in BLOCK_POLICIES],
         "missing_classical": [c for c in CLASSICAL if c not in BLOCK_POLICIES],
         "grid": PROTOCOL_GRID,
         "workloads": info,
@@ -466,6 +495,24 @@ def protocol(cost: CostModel, out: Path, *, scale: float) -> None:
         "pool_fracs": list(FRACS),
         "total_s": time.perf_counter() - t_start,
     }
+
+
+def _rho(cost: CostModel) -> float:
+    """ρ*: the shipped trace's no-cache prefill utilisation at its ``REF_NODES`` nodes."""
+    return _busy(traces_lib.load_mooncake_trace(traces_lib.trace_path(TRACE)), cost) / REF_NODES
+
+
+def protocol(cost: CostModel, out: Path, *, scale: float) -> None:
+    """Leave-one-workload-out: every policy and every ``PROTOCOL_GRID`` setting once on every
+    workload × pool, then one fold per held-out workload (``protocol_fold``); writes
+    protocol.json and protocol.md."""
+    t_start = time.perf_counter()
+    classical = [c for c in CLASSICAL if c in BLOCK_POLICIES]
+    print(f"registry: {', '.join(BLOCK_POLICIES)}; classical: {', '.join(classical)}")
+    print(f"rho* = {_rho(cost):.3f}; grid: {', '.join(PROTOCOL_GRID)}", flush=True)
+    runs, info = simulate_cells(protocol_workloads(scale), cost, list(PROTOCOL_GRID))
+    folds = [protocol_fold(w, list(info), runs, classical) for w in info]
+    meta = _meta(_rho(cost), scale, info, t_start)
     table = [{"workload": k[0], "pool_frac": k[1], "run": k[2]} | v for k, v in runs.items()]
     out.mkdir(parents=True, exist_ok=True)
     summary = protocol_summary(folds)
@@ -475,6 +522,57 @@ def protocol(cost: CostModel, out: Path, *, scale: float) -> None:
     (out / "protocol.md").write_text(md)
     print(md)
     print(f"wrote {out / 'protocol.json'} and protocol.md ({meta['total_s']:.0f} s)")
+
+
+def confirm(cost: CostModel, out: Path, *, seed: int, setting: str, scale: float) -> None:
+    """The fixed grid ``setting`` once on the four generated workloads made with a fresh
+    ``seed`` (``protocol_workloads(seed=...)``), deployed as the protocol deploys them, beside
+    every baseline and bound: every cell is a held-out cell (nothing is chosen). Writes
+    confirm_seed<seed>.json and .md."""
+    t_start = time.perf_counter()
+    classical = [c for c in CLASSICAL if c in BLOCK_POLICIES]
+    runs, info = simulate_cells(protocol_workloads(scale, seed=seed), cost, [setting])
+    folds = [
+        {"held_out": w, "chosen": setting, "cells": held_cells(w, runs, classical, setting)}
+        for w in info
+    ]
+    meta = _meta(_rho(cost), scale, info, t_start) | {"seed": seed, "setting": setting}
+    summary = protocol_summary(folds)
+    doc = {"config": meta, "summary": summary, "folds": folds}
+    out.mkdir(parents=True, exist_ok=True)
+    name = f"confirm_seed{seed}"
+    (out / f"{name}.json").write_text(json.dumps(doc, indent=2))
+    md = confirm_markdown(folds, meta, summary)
+    (out / f"{name}.md").write_text(md)
+    print(md)
+    print(f"wrote {out / name}.json and .md ({meta['total_s']:.0f} s)")
+
+
+def confirm_markdown(folds: list[dict], meta: dict, summary: dict) -> str:
+    """``confirm``'s tables: the workloads, the goal per cell, every policy."""
+    cells = [c for f in folds for c in f["cells"]]
+    over = lambda k: sum(c[k] > GOAL_RATIO for c in cells)
+    mean = lambda k: float(np.mean([c[k] for c in cells]))
+    lines = [
+        f"Fresh-seed confirmation (`scripts/bench_kvlearn_serving.py --confirm {meta['seed']} "
+        f"--setting '{meta['setting']}'`): the protocol's four generated workloads made with "
+        f"seed {meta['seed']} and deployed as the protocol deploys them (ρ* = "
+        f"{meta['rho_star']:.3f}), KVLearn with the setting fixed before the run, every "
+        f"baseline and bound; one run per cell (PRP seed 0); "
+        f"{meta['total_s'] / 60:.1f} min in all. Classical baselines: "
+        f"{', '.join(meta['classical'])}.",
+        "",
+    ]
+    lines += workloads_table(meta["workloads"]) + ["", summary_line(summary), ""]
+    lines += [
+        f"Goal (issue 15, per cell: KVLearn ≤ {GOAL_RATIO} × the best classical mean and the "
+        f"lowest classical p99; lower on average): mean ratio above {GOAL_RATIO} in "
+        f"{over('ratio_mean')} of {len(cells)} cells, p99 ratio in {over('ratio_p99')}; "
+        f"average ratio {mean('ratio_mean'):.4f} (mean), {mean('ratio_p99'):.4f} (p99).",
+        "",
+    ]
+    lines += held_table(folds) + policy_tables(folds)
+    return "\n".join(lines) + "\n"
 
 
 def _grid_policy(setting: dict) -> tuple[str, dict]:
@@ -523,10 +621,27 @@ def protocol_fold(held: str, names: list[str], runs: dict, classical: list[str])
     held_rule = {g: _tuning_score(runs, [held], g, classical) for g in PROTOCOL_GRID}
     scores = {g: rule[g][1] for g in PROTOCOL_GRID}
     hindsight = {g: held_rule[g][1] for g in PROTOCOL_GRID}
+    cells = held_cells(held, runs, classical, chosen)
+    return {
+        "held_out": held,
+        "tuned_on": others,
+        "scores": scores,
+        "fails": {g: rule[g][0] for g in PROTOCOL_GRID},
+        "chosen": chosen,
+        "hindsight_scores": hindsight,
+        "hindsight_fails": {g: held_rule[g][0] for g in PROTOCOL_GRID},
+        "hindsight_best": min(PROTOCOL_GRID, key=lambda g: held_rule[g]),
+        "cells": cells,
+    }
+
+
+def held_cells(held: str, runs: dict, classical: list[str], setting: str) -> list[dict]:
+    """``held``'s cells at every pool: every policy (``kvlearn`` = the grid ``setting``), the
+    best classical baseline, KVLearn's mean and p99 ratios to it and its gaps to the bounds."""
     cells = []
     for frac in FRACS:
         pol = {
-            p: runs[(held, frac, f"kvlearn:{chosen}" if p == "kvlearn" else p)]
+            p: runs[(held, frac, f"kvlearn:{setting}" if p == "kvlearn" else p)]
             for p in BLOCK_POLICIES
             if p == "kvlearn" or p not in LEARNED
         }
@@ -548,17 +663,7 @@ def protocol_fold(held: str, names: list[str], runs: dict, classical: list[str])
                 "gap_infinite": gap("infinite"),
             }
         )
-    return {
-        "held_out": held,
-        "tuned_on": others,
-        "scores": scores,
-        "fails": {g: rule[g][0] for g in PROTOCOL_GRID},
-        "chosen": chosen,
-        "hindsight_scores": hindsight,
-        "hindsight_fails": {g: held_rule[g][0] for g in PROTOCOL_GRID},
-        "hindsight_best": min(PROTOCOL_GRID, key=lambda g: held_rule[g]),
-        "cells": cells,
-    }
+    return cells
 
 
 def _cell_metrics(r: dict) -> dict:
@@ -658,50 +763,9 @@ def protocol_markdown(
         )
         + f". One run per cell (PRP seed 0); {meta['total_s'] / 60:.1f} min in all.",
         "",
-        "| workload | requests | block refs | distinct blocks | prefill nodes | load scale |",
-        "|---|---|---|---|---|---|",
     ]
-    for name, d in w.items():
-        lines.append(
-            f"| {name} | {d['requests']} | {d['block_refs']} | {d['distinct_blocks']} "
-            f"| {d['prefill_nodes']} | {d['load_scale']:.3f} |"
-        )
-    lines += [
-        "",
-        f"**Summary: KVLearn's mean TTFT is below the best classical baseline in "
-        f"{summary['mean_wins']} of {summary['cells']} held-out cells and above it in "
-        f"{summary['mean_losses']}; p99: {summary['p99_wins']} wins, {summary['p99_losses']} "
-        f"losses. KVLearn / best classical (mean TTFT): geometric mean "
-        f"{summary['ratio_mean_geomean']:.3f}, best {summary['ratio_mean_best']:.3f}, worst "
-        f"{summary['ratio_mean_worst']:.3f}. In the {summary['cells_with_room']} cells where "
-        f"the best classical baseline is more than {100 * ROOM:g} % above the bound (room to "
-        f"win): {summary['mean_wins_with_room']} wins, {summary['mean_losses_with_room']} "
-        "losses.**",
-        "",
-        "Held-out cells (mean / p99 TTFT in ms, block hit %; ratio < 1: KVLearn better; the "
-        "p99 ratio is to the lowest classical p99; gaps are KVLearn's mean over the bound's; "
-        "room: the best classical mean over the lowest bound's):",
-        "",
-        "| held out | setting | pool | kvlearn | best classical | mean ratio | p99 ratio "
-        "| belady (gap) | infinite (gap) | room | |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    fmt = lambda m: f"{m['ttft_ms_mean']:.0f} / {m['ttft_ms_p99']:.0f} / {100 * m['hit_rate']:.1f}"
-    bound = lambda c, b: (
-        "-"
-        if c["gap_" + b] is None
-        else f"{c['policies'][b]['ttft_ms_mean']:.0f} ({100 * c['gap_' + b]:+.1f} %)"
-    )
-    for f in folds:
-        for c in f["cells"]:
-            kv, bc = c["policies"]["kvlearn"], c["policies"][c["best_classical"]]
-            verdict = "win" if c["ratio_mean"] < 1 else "loss" if c["ratio_mean"] > 1 else "tie"
-            lines.append(
-                f"| {f['held_out']} | {f['chosen']} | {c['pool_frac']:.0%} | {fmt(kv)} "
-                f"| {c['best_classical']}: {fmt(bc)} | {c['ratio_mean']:.4f} "
-                f"| {c['ratio_p99']:.4f} | {bound(c, 'belady')} | {bound(c, 'infinite')} "
-                f"| {100 * _room(c):.1f} % | {verdict} |"
-            )
+    lines += workloads_table(w) + ["", summary_line(summary), ""]
+    lines += held_table(folds)
     grid = list(meta["grid"])
     lines += [
         "",
@@ -726,7 +790,76 @@ def protocol_markdown(
             + f" | {f['hindsight_best']} |"
         )
     lines += _settings_markdown(runs, meta) if runs else []
-    lines += ["", "Every policy (mean / p99 TTFT in ms / block hit %):"]
+    lines += policy_tables(folds)
+    return "\n".join(lines) + "\n"
+
+
+def workloads_table(info: dict) -> list[str]:
+    """Markdown lines: each workload's size and deployment."""
+    lines = [
+        "| workload | requests | block refs | distinct blocks | prefill nodes | load scale |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, d in info.items():
+        lines.append(
+            f"| {name} | {d['requests']} | {d['block_refs']} | {d['distinct_blocks']} "
+            f"| {d['prefill_nodes']} | {d['load_scale']:.3f} |"
+        )
+    return lines
+
+
+def summary_line(summary: dict) -> str:
+    """The bold summary of ``protocol_summary``."""
+    return (
+        f"**Summary: KVLearn's mean TTFT is below the best classical baseline in "
+        f"{summary['mean_wins']} of {summary['cells']} held-out cells and above it in "
+        f"{summary['mean_losses']}; p99: {summary['p99_wins']} wins, {summary['p99_losses']} "
+        f"losses. KVLearn / best classical (mean TTFT): geometric mean "
+        f"{summary['ratio_mean_geomean']:.3f}, best {summary['ratio_mean_best']:.3f}, worst "
+        f"{summary['ratio_mean_worst']:.3f}. In the {summary['cells_with_room']} cells where "
+        f"the best classical baseline is more than {100 * ROOM:g} % above the bound (room to "
+        f"win): {summary['mean_wins_with_room']} wins, {summary['mean_losses_with_room']} "
+        "losses.**"
+    )
+
+
+def _fmt(m: dict) -> str:
+    return f"{m['ttft_ms_mean']:.0f} / {m['ttft_ms_p99']:.0f} / {100 * m['hit_rate']:.1f}"
+
+
+def held_table(folds: list[dict]) -> list[str]:
+    """Markdown lines: one row per held-out cell of ``folds`` (KVLearn, the best classical
+    baseline, the ratios, the bounds, the room, the verdict)."""
+    lines = [
+        "Held-out cells (mean / p99 TTFT in ms, block hit %; ratio < 1: KVLearn better; the "
+        "p99 ratio is to the lowest classical p99; gaps are KVLearn's mean over the bound's; "
+        "room: the best classical mean over the lowest bound's):",
+        "",
+        "| held out | setting | pool | kvlearn | best classical | mean ratio | p99 ratio "
+        "| belady (gap) | infinite (gap) | room | |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    bound = lambda c, b: (
+        "-"
+        if c["gap_" + b] is None
+        else f"{c['policies'][b]['ttft_ms_mean']:.0f} ({100 * c['gap_' + b]:+.1f} %)"
+    )
+    for f in folds:
+        for c in f["cells"]:
+            kv, bc = c["policies"]["kvlearn"], c["policies"][c["best_classical"]]
+            verdict = "win" if c["ratio_mean"] < 1 else "loss" if c["ratio_mean"] > 1 else "tie"
+            lines.append(
+                f"| {f['held_out']} | {f['chosen']} | {c['pool_frac']:.0%} | {_fmt(kv)} "
+                f"| {c['best_classical']}: {_fmt(bc)} | {c['ratio_mean']:.4f} "
+                f"| {c['ratio_p99']:.4f} | {bound(c, 'belady')} | {bound(c, 'infinite')} "
+                f"| {100 * _room(c):.1f} % | {verdict} |"
+            )
+    return lines
+
+
+def policy_tables(folds: list[dict]) -> list[str]:
+    """Markdown lines: every policy's mean / p99 TTFT / hit % per pool, one table per fold."""
+    lines = ["", "Every policy (mean / p99 TTFT in ms / block hit %):"]
     for f in folds:
         pools = [f"{c['pool_frac']:.0%}" for c in f["cells"]]
         lines += [
@@ -737,8 +870,9 @@ def protocol_markdown(
             "|---|" + "---|" * len(pools),
         ]
         for p in f["cells"][0]["policies"]:
-            lines.append(f"| {p} | " + " | ".join(fmt(c["policies"][p]) for c in f["cells"]) + " |")
-    return "\n".join(lines) + "\n"
+            row = " | ".join(_fmt(c["policies"][p]) for c in f["cells"])
+            lines.append(f"| {p} | {row} |")
+    return lines
 
 
 def _score_cell(fold: dict, g: str, prefix: str) -> str:

@@ -1,0 +1,51 @@
+"""scripts/bench_kvlearn_serving.py --confirm: a fixed KVLearn setting on freshly seeded
+workloads, every cell held out (a tiny scale; the reported run uses the protocol's sizes)."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_kvlearn_serving.py"
+_spec = importlib.util.spec_from_file_location("bench_kvlearn_serving", _SCRIPT)
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+
+
+@pytest.fixture(scope="module")
+def confirmed(tmp_path_factory):
+    out = tmp_path_factory.mktemp("confirm")
+    cost = bench.CostModel.llama3_8b_a100()
+    bench.confirm(cost, out, seed=999, setting="guard:moon+ca+gdsf,0%", scale=0.01)
+    return out
+
+
+def test_confirm_reports_every_cell_of_the_four_seeded_workloads(confirmed):
+    doc = json.loads((confirmed / "confirm_seed999.json").read_text())
+    assert [f["held_out"] for f in doc["folds"]] == ["chat", "agent", "rag", "mmsession"]
+    assert doc["config"]["seed"] == 999
+    assert doc["summary"]["cells"] == 4 * len(bench.FRACS)
+    for fold in doc["folds"]:
+        assert fold["chosen"] == "guard:moon+ca+gdsf,0%"
+        for cell in fold["cells"]:
+            pol = cell["policies"]
+            classical = {c: pol[c] for c in bench.CLASSICAL}
+            best = min(classical.values(), key=lambda m: m["ttft_ms_mean"])
+            assert pol[cell["best_classical"]] == best
+            assert cell["ratio_mean"] == pol["kvlearn"]["ttft_ms_mean"] / best["ttft_ms_mean"]
+            low_p99 = min(m["ttft_ms_p99"] for m in classical.values())
+            assert cell["ratio_p99"] == pol["kvlearn"]["ttft_ms_p99"] / low_p99
+    md = (confirmed / "confirm_seed999.md").read_text()
+    assert "--confirm 999" in md and "| chat | guard:moon+ca+gdsf,0% | 10% |" in md
+
+
+def test_confirm_workloads_differ_from_the_protocols():
+    fresh = bench.protocol_workloads(0.01, seed=999)
+    protocol = bench.protocol_workloads(0.01)
+    assert list(fresh) == ["chat", "agent", "rag", "mmsession"]
+    assert "example" in protocol
+    for kind in fresh:
+        assert fresh[kind].blocks[0].tolist() != protocol[kind].blocks[0].tolist() or (
+            fresh[kind].time_s.tolist() != protocol[kind].time_s.tolist()
+        )
