@@ -100,3 +100,55 @@ def test_a_blend_with_a_ranker_is_learned_and_one_of_heuristics_is_not(tmp_path)
     cmd = [sys.executable, report, tmp_path, "--runs", "decode_global,decode_head"]
     text = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     assert "**0.3000** (0.67×, 2/2)" in text and "**0.6000** (0.80×, 2/2)" in text
+
+
+def _retrieval(path: Path, acc: dict) -> Path:
+    """A finished retrieval.json with ``acc[policy][task]`` as each r = 0.25 row's accuracy."""
+    path.mkdir(parents=True)
+    results = [
+        {"policy": p, "task": t, "ratio": 0.25, "score": s}
+        for p, by in acc.items()
+        for t, s in by.items()
+    ]
+    (path / "retrieval.json").write_text(json.dumps({"complete": True, "results": results}))
+    return path / "retrieval.json"
+
+
+TASKS = ("needle/1024", "needle/2048", "passkey/1024", "passkey/2048")
+
+
+@pytest.mark.parametrize(
+    ("kl", "acc", "chosen"),
+    [
+        # c has the most retrieval but 1.2× the base's KL at r = 0.125: b (admissible) is chosen
+        (
+            {"b": (1.1, 1.15), "c": (1.0, 1.2)},
+            {"b": (25, 25, 75, 75), "c": (50, 50, 100, 100)},
+            "b",
+        ),
+        # tie on the mean: the lower KL at r = 0.125 wins
+        ({"b": (1.0, 1.1), "c": (1.0, 1.05)}, {"b": (25, 25, 75, 75), "c": (25, 50, 50, 75)}, "c"),
+        # the best admissible is below TOVA per head in one cell: nothing is chosen
+        ({"b": (1.0, 1.0)}, {"b": (100, 100, 100, 25)}, None),
+    ],
+)
+def test_peak_tova_rule(tmp_path, kl, acc, chosen):
+    base = "ranker:peak"
+    for domain in ("chat", "code", "math", "prose"):
+        rows = {(base, r): 1.0 for r in (0.25, 0.125)}
+        rows |= {(c, r): x for c, xs in kl.items() for r, x in zip((0.25, 0.125), xs, strict=True)}
+        _fidelity(tmp_path / f"check_{domain}", rows)
+    _retrieval(
+        tmp_path / "retrieval_global", {c: dict(zip(TASKS, a, strict=True)) for c, a in acc.items()}
+    )
+    tova = _retrieval(
+        tmp_path / "tova_head", {"tova": dict(zip(TASKS, (0, 0, 50, 50), strict=True))}
+    )
+    cmd = [sys.executable, SCRIPTS / "distillcache_peak_tova_select.py", tmp_path, *kl]
+    cmd += ["--base", base, "--tova-head", tova]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    chosen_file = tmp_path / "chosen.txt"
+    if chosen is None:
+        assert "nothing chosen" in out and not chosen_file.exists()
+    else:
+        assert f"chosen: `{chosen}`" in out and chosen_file.read_text().strip() == chosen

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# results/distillcache_peak_tova/PROTOCOL.md: `select` runs the development checks of the
+# three blends of the peak ranker's allocation with TOVA's order (training-domain KL, retrieval
+# on data seed 6) and applies the rule; `heldout` runs the chosen one once on unread BIG-Bench
+# Hard windows (--heldout 0.4375) and retrieval data seed 8. Finished runs are skipped.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+py=${PYTHON:-.venv/bin/python}
+source scripts/lib.sh
+out=${OUT:-results/distillcache_peak_tova}
+peak=ranker:ranker_peak_tier_smollm2_cpu
+candidates=("blend@0.5:$peak+tova" "blend@0.75:$peak+tova" "blend@1:$peak+tova")
+retrieval() {  # OUT SEED GLOBAL_POLICIES [HEAD_POLICIES]: passkey and needle at 1K / 2K, r = 0.25
+  local common=(--ratios 0.25 --limit 8 --data-seed "$2" --tasks passkey,needle
+    --lengths 1024,2048)
+  evaluate retrieval "$1/retrieval_global" "${common[@]}" --granularity global --policies "$3"
+  [[ -z ${4:-} ]] || evaluate retrieval "$1/retrieval_head" "${common[@]}" \
+    --granularity head --policies "$4"
+}
+case "${1:-}" in
+  select)
+    domain_check "$out/dev" "$peak,$(IFS=,; echo "${candidates[*]}")"
+    retrieval "$out/dev" 6 "$(IFS=,; echo "${candidates[*]}")"
+    "$py" scripts/distillcache_peak_tova_select.py "$out/dev" "${candidates[@]}" --base "$peak" ;;
+  heldout)
+    chosen=$(cat "$out/dev/chosen.txt" 2>/dev/null) || { echo "nothing chosen: $0 select" >&2; exit 2; }
+    decode_heldout "$out" "$chosen,$peak" 0.4375
+    retrieval "$out" 8 "full,$chosen,$peak,h2o,critical:h2o,tova" tova,h2o,critical:h2o,snapkv ;;
+  *) echo "usage: $0 select | heldout" >&2; exit 2 ;;
+esac
