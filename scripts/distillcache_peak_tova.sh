@@ -2,7 +2,8 @@
 # results/distillcache_peak_tova/PROTOCOL.md: `select` runs the development checks of the
 # three blends of the peak ranker's allocation with TOVA's order (training-domain KL, retrieval
 # on data seed 6) and applies the rule; `heldout` runs the chosen one once on unread BIG-Bench
-# Hard windows (--heldout 0.4375) and retrieval data seed 8. Finished runs are skipped.
+# Hard windows (--heldout 0.4375) and retrieval data seed 8; `retrieval-only` (the addendum)
+# runs the retrieval candidate on seed 8 alone. Finished runs are skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-.venv/bin/python}
@@ -26,5 +27,8 @@ case "${1:-}" in
     chosen=$(cat "$out/dev/chosen.txt" 2>/dev/null) || { echo "nothing chosen: $0 select" >&2; exit 2; }
     decode_heldout "$out" "$chosen,$peak" 0.4375
     retrieval "$out" 8 "full,$chosen,$peak,h2o,critical:h2o,tova" tova,h2o,critical:h2o,snapkv ;;
-  *) echo "usage: $0 select | heldout" >&2; exit 2 ;;
+  retrieval-only)  # PROTOCOL.md's addendum: the retrieval candidate, once, on data seed 8
+    chosen="blend@0.75:$peak+tova"
+    retrieval "$out" 8 "full,$chosen,$peak,h2o,critical:h2o,tova" tova,h2o,critical:h2o,snapkv ;;
+  *) echo "usage: $0 select | heldout | retrieval-only" >&2; exit 2 ;;
 esac
