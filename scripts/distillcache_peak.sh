@@ -17,12 +17,8 @@ shipped=ranker:ranker_recall_tier_smollm2_cpu
 ship=jaxkv/checkpoints/ranker_peak_tier_smollm2_cpu
 candidate=ranker:${ship##*/}
 retrieval() {  # OUT SEED: passkey and needle at 1K / 2K, r = 0.25, on data seed SEED
-  local common=(--ratios 0.25 --limit 8 --data-seed "$2" --tasks passkey,needle
-    --lengths 1024,2048)
-  evaluate retrieval "$1/retrieval_global" "${common[@]}" --granularity global \
-    --policies "full,$candidate,$shipped,h2o,critical:h2o,tova"
-  evaluate retrieval "$1/retrieval_head" "${common[@]}" --granularity head \
-    --policies "$candidate,tova,h2o,critical:h2o,snapkv"
+  retrieval_runs "$1" "$2" "full,$candidate,$shipped,h2o,critical:h2o,tova" \
+    "$candidate,tova,h2o,critical:h2o,snapkv"
 }
 case "${1:-}" in
   train)

@@ -11,24 +11,17 @@ source scripts/lib.sh
 out=${OUT:-results/distillcache_peak_tova}
 peak=ranker:ranker_peak_tier_smollm2_cpu
 candidates=("blend@0.5:$peak+tova" "blend@0.75:$peak+tova" "blend@1:$peak+tova")
-retrieval() {  # OUT SEED GLOBAL_POLICIES [HEAD_POLICIES]: passkey and needle at 1K / 2K, r = 0.25
-  local common=(--ratios 0.25 --limit 8 --data-seed "$2" --tasks passkey,needle
-    --lengths 1024,2048)
-  evaluate retrieval "$1/retrieval_global" "${common[@]}" --granularity global --policies "$3"
-  [[ -z ${4:-} ]] || evaluate retrieval "$1/retrieval_head" "${common[@]}" \
-    --granularity head --policies "$4"
-}
 case "${1:-}" in
   select)
     domain_check "$out/dev" "$peak,$(IFS=,; echo "${candidates[*]}")"
-    retrieval "$out/dev" 6 "$(IFS=,; echo "${candidates[*]}")"
+    retrieval_runs "$out/dev" 6 "$(IFS=,; echo "${candidates[*]}")"
     "$py" scripts/distillcache_peak_tova_select.py "$out/dev" "${candidates[@]}" --base "$peak" ;;
   heldout)
     chosen=$(cat "$out/dev/chosen.txt" 2>/dev/null) || { echo "nothing chosen: $0 select" >&2; exit 2; }
     decode_heldout "$out" "$chosen,$peak" 0.4375
-    retrieval "$out" 8 "full,$chosen,$peak,h2o,critical:h2o,tova" tova,h2o,critical:h2o,snapkv ;;
+    retrieval_runs "$out" 8 "full,$chosen,$peak,h2o,critical:h2o,tova" tova,h2o,critical:h2o,snapkv ;;
   retrieval-only)  # PROTOCOL.md's addendum: the retrieval candidate, once, on data seed 8
     chosen="blend@0.75:$peak+tova"
-    retrieval "$out" 8 "full,$chosen,$peak,h2o,critical:h2o,tova" tova,h2o,critical:h2o,snapkv ;;
+    retrieval_runs "$out" 8 "full,$chosen,$peak,h2o,critical:h2o,tova" tova,h2o,critical:h2o,snapkv ;;
   *) echo "usage: $0 select | heldout | retrieval-only" >&2; exit 2 ;;
 esac

@@ -53,16 +53,24 @@ domain_check() {  # OUT POLICIES: decode-protocol fidelity, global granularity, 
   done
 }
 
+retrieval_runs() {  # OUT DATA_SEED GLOBAL_POLICIES [HEAD_POLICIES]: passkey and needle at
+  # 1K / 2K, r = 0.25, 8 prompts each, on data seed DATA_SEED, into OUT/retrieval_global (and,
+  # with HEAD_POLICIES, OUT/retrieval_head): the retrieval runs of every protocol since the
+  # recall rankers'. Finished runs are skipped.
+  local common=(--ratios 0.25 --limit 8 --data-seed "$2" --tasks passkey,needle
+    --lengths 1024,2048)
+  evaluate retrieval "$1/retrieval_global" "${common[@]}" --granularity global --policies "$3"
+  [[ -z ${4:-} ]] || evaluate retrieval "$1/retrieval_head" "${common[@]}" \
+    --granularity head --policies "$4"
+}
+
 recall_heldout() {  # OUT DATA_SEED BBH_OFFSET RETRIEVAL_GLOBAL RETRIEVAL_HEAD FIDELITY_GLOBAL
   # The recall rankers' held-out run (results/retrieval_recall*/PROTOCOL.md): retrieval at
   # r = 0.25 on data seed DATA_SEED at both granularities, then decode-protocol fidelity on the
   # BIG-Bench Hard windows at --heldout BBH_OFFSET (the policies given, and critical:h2o per
   # head). Finished runs are skipped.
   local out=$1
-  local common=(--ratios 0.25 --limit 8 --data-seed "$2" --tasks passkey,needle
-    --lengths 1024,2048)
-  evaluate retrieval "$out/retrieval_global" "${common[@]}" --granularity global --policies "$4"
-  evaluate retrieval "$out/retrieval_head" "${common[@]}" --granularity head --policies "$5"
+  retrieval_runs "$out" "$2" "$4" "$5"
   local text=runs/retrieval_recall/heldout.txt
   [[ -f $text ]] || write_text reasoning "$text"
   local fresh=(--text "$text" --heldout "$3" --limit 8 --window 384 --prompt-len 256
