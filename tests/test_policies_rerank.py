@@ -2,6 +2,7 @@
 with the inner policy's tokens through the real eviction, and where it cannot run."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -15,6 +16,7 @@ from jaxkv.model import decoder
 from jaxkv.model.params import init_params
 from jaxkv.policies import TIER, get_policy
 from jaxkv.policies import rerank as rerank_lib
+from jaxkv.topn import inverse_permutation
 
 CFG = ModelConfig.tiny()
 PARAMS = init_params(CFG, key=jax.random.key(0), scale=0.2)
@@ -199,3 +201,32 @@ def test_blend_of_a_ranker_and_critical_runs_in_fidelity(tmp_path):
 def test_bad_mix_names_are_refused(bad):
     with pytest.raises(ValueError, match="blend"):
         get_policy(bad)
+
+
+def _rank_blend_by_transplant(alloc, other, valid, weight):
+    """The composition ``rank_blend`` replaced (six row sorts): ranks among the free slots,
+    their mixed order, then ``transplant`` of the scores into it."""
+    free = valid & (alloc < TIER)
+    own = rerank_lib.row_ranks(alloc, free)
+    mixed = (1.0 - weight) * own + weight * rerank_lib.row_ranks(other, free)
+    slots = jnp.lexsort((own, mixed), axis=-1)
+    order = -inverse_permutation(slots).astype(jnp.float32)
+    return rerank_lib.transplant(alloc, order, valid)
+
+
+@pytest.mark.parametrize("weight", [0.0, 0.25, 0.75, 1.0])
+def test_rank_blend_equals_the_transplant_composition_bit_for_bit(weight):
+    rng = np.random.default_rng(3)
+    shape = (3, 2, 3, 257)
+    alloc = rng.random(shape).astype(np.float32)
+    alloc[..., :9] += TIER * (1 + rng.random((*shape[:-1], 9)))  # protected tiers of any size
+    alloc[..., 20:40] = alloc[..., 40:60]  # ties by alloc
+    alloc[0, 0, 0, :] = 0.5  # a row of ties only
+    other = rng.integers(0, 9, size=shape).astype(np.float32)  # many ties by other
+    valid = rng.random(shape) > 0.3
+    valid[1, 1, 1, :] = False  # an empty row
+    valid[2, 0, 0, :] = True  # a full row
+    args = (jnp.asarray(alloc), jnp.asarray(other), jnp.asarray(valid))
+    got = np.asarray(jax.jit(rerank_lib.rank_blend, static_argnums=3)(*args, weight))
+    want = np.asarray(jax.jit(_rank_blend_by_transplant, static_argnums=3)(*args, weight))
+    np.testing.assert_array_equal(got, want)

@@ -93,13 +93,25 @@ def rank_blend(alloc_LBKC, other_LBKC, valid_LBKC, weight: float) -> jnp.ndarray
     """``alloc``'s scores, each row's multiset kept, reordered within the row: ``alloc``'s
     protected slots (>= TIER) first, then the other valid slots by ``(1 - weight)`` × their rank
     by ``alloc`` + ``weight`` × their rank by ``other`` (both among those slots), ties by
-    ``alloc``'s rank. Invalid slots get -inf."""
-    free = valid_LBKC & (alloc_LBKC < TIER)
-    own = row_ranks(alloc_LBKC, free)
+    ``alloc``'s rank. Invalid slots get -inf. Valid slots' ``alloc`` scores are finite.
+
+    ``transplant(alloc, -position, valid)`` of the mixed order, in three row sorts instead of
+    six: one sort by ``alloc`` gives the protected slots' places (they outrank every other
+    slot, so they keep their own scores), the free slots' ranks (their places after the
+    protected ones) and the row's scores in descending order; the free slot at place k of the
+    mixed order takes the k-th highest free score (tested against that composition)."""
+    alloc = jnp.where(valid_LBKC, alloc_LBKC.astype(jnp.float32), -jnp.inf)
+    protected = alloc >= TIER
+    free = valid_LBKC & ~protected
+    by_alloc = jnp.argsort(-alloc, axis=-1, stable=True)  # protected, free, invalid
+    n_protected = jnp.sum(protected, axis=-1, keepdims=True)
+    own = jnp.where(free, inverse_permutation(by_alloc) - n_protected, alloc.shape[-1])
     mixed = (1.0 - weight) * own + weight * row_ranks(other_LBKC, free)
     slots = jnp.lexsort((own, mixed), axis=-1)  # best first: by the mean rank, then by own
-    order = -inverse_permutation(slots).astype(jnp.float32)
-    return transplant(alloc_LBKC, order, valid_LBKC)
+    descending = jnp.take_along_axis(alloc, by_alloc, axis=-1)
+    place = n_protected + inverse_permutation(slots)  # a free slot's place among the row's
+    moved = jnp.take_along_axis(descending, jnp.minimum(place, alloc.shape[-1] - 1), axis=-1)
+    return jnp.where(free, moved, alloc)
 
 
 def parse_mix(name: str) -> tuple[float, str, str]:
