@@ -1,8 +1,10 @@
 """``rerank:<policy>``: the transplant against a brute-force reference, kvzip's per-row counts
 with the inner policy's tokens through the real eviction, and where it cannot run."""
 
+import importlib.util
+from pathlib import Path
+
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -16,7 +18,11 @@ from jaxkv.model import decoder
 from jaxkv.model.params import init_params
 from jaxkv.policies import TIER, get_policy
 from jaxkv.policies import rerank as rerank_lib
-from jaxkv.topn import inverse_permutation
+
+_BENCH = Path(__file__).resolve().parents[1] / "scripts" / "bench_rank_blend.py"
+_spec = importlib.util.spec_from_file_location("bench_rank_blend", _BENCH)
+bench_rank_blend = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench_rank_blend)  # the composition rank_blend replaced
 
 CFG = ModelConfig.tiny()
 PARAMS = init_params(CFG, key=jax.random.key(0), scale=0.2)
@@ -203,17 +209,6 @@ def test_bad_mix_names_are_refused(bad):
         get_policy(bad)
 
 
-def _rank_blend_by_transplant(alloc, other, valid, weight):
-    """The composition ``rank_blend`` replaced (six row sorts): ranks among the free slots,
-    their mixed order, then ``transplant`` of the scores into it."""
-    free = valid & (alloc < TIER)
-    own = rerank_lib.row_ranks(alloc, free)
-    mixed = (1.0 - weight) * own + weight * rerank_lib.row_ranks(other, free)
-    slots = jnp.lexsort((own, mixed), axis=-1)
-    order = -inverse_permutation(slots).astype(jnp.float32)
-    return rerank_lib.transplant(alloc, order, valid)
-
-
 @pytest.mark.parametrize("weight", [0.0, 0.25, 0.75, 1.0])
 def test_rank_blend_equals_the_transplant_composition_bit_for_bit(weight):
     rng = np.random.default_rng(3)
@@ -226,7 +221,8 @@ def test_rank_blend_equals_the_transplant_composition_bit_for_bit(weight):
     valid = rng.random(shape) > 0.3
     valid[1, 1, 1, :] = False  # an empty row
     valid[2, 0, 0, :] = True  # a full row
-    args = (jnp.asarray(alloc), jnp.asarray(other), jnp.asarray(valid))
+    args = (alloc, other, valid)
     got = np.asarray(jax.jit(rerank_lib.rank_blend, static_argnums=3)(*args, weight))
-    want = np.asarray(jax.jit(_rank_blend_by_transplant, static_argnums=3)(*args, weight))
+    reference = jax.jit(bench_rank_blend.rank_blend_by_transplant, static_argnums=3)
+    want = np.asarray(reference(*args, weight))
     np.testing.assert_array_equal(got, want)

@@ -1,0 +1,70 @@
+"""``rerank.rank_blend`` (three row sorts) against the composition it replaced (six: ranks among
+the free slots, their mixed order, then ``transplant``), jitted, in turns, on the rows of a
+global decode-protocol eviction at batch 8 × 4K, r = 0.25 (30 layers × 8 × 3 KV heads, rows of
+up to 2·B = 2,082 slots). Same outputs bit for bit (checked here and in
+tests/test_policies_rerank.py). Prints medians and the median of the per-turn ratios.
+
+Usage: python scripts/bench_rank_blend.py [--turns 15] [--weight 0.75] [--slots 2082]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv.policies import TIER
+from jaxkv.policies import rerank as rerank_lib
+from jaxkv.topn import inverse_permutation
+
+
+def rank_blend_by_transplant(alloc, other, valid, weight: float):
+    """The composition ``rerank.rank_blend`` replaced (session 26): six row sorts."""
+    free = valid & (alloc < TIER)
+    own = rerank_lib.row_ranks(alloc, free)
+    mixed = (1.0 - weight) * own + weight * rerank_lib.row_ranks(other, free)
+    slots = jnp.lexsort((own, mixed), axis=-1)
+    order = -inverse_permutation(slots).astype(jnp.float32)
+    return rerank_lib.transplant(alloc, order, valid)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--turns", type=int, default=15)
+    ap.add_argument("--weight", type=float, default=0.75)
+    ap.add_argument("--slots", type=int, default=2082)
+    args = ap.parse_args()
+    rng = np.random.default_rng(0)
+    shape = (30, 8, 3, args.slots)
+    alloc = rng.random(shape, dtype=np.float32)
+    alloc[..., :64] += TIER  # a protected tier (the ranker's attended slots)
+    other = rng.random(shape, dtype=np.float32)
+    valid = rng.random(shape) > 0.05
+    args_ = tuple(jnp.asarray(x) for x in (alloc, other, valid))
+    runs = {
+        "three sorts (rank_blend)": jax.jit(rerank_lib.rank_blend, static_argnums=3),
+        "six sorts (before)": jax.jit(rank_blend_by_transplant, static_argnums=3),
+    }
+    outs = [np.asarray(f(*args_, args.weight)) for f in runs.values()]  # compiles
+    np.testing.assert_array_equal(*outs)
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for _ in range(args.turns):
+        for name, f in runs.items():
+            t0 = time.perf_counter()
+            f(*args_, args.weight).block_until_ready()
+            times[name].append(1e3 * (time.perf_counter() - t0))
+    for name, ts in times.items():
+        print(f"{name}: median {statistics.median(ts):.1f} ms over {args.turns} turns")
+    new, old = times.values()
+    ratio = statistics.median(a / b for a, b in zip(new, old, strict=True))
+    load = os.getloadavg()[0]
+    print(f"per-turn ratio (three / six sorts): median {ratio:.2f} (1-minute load {load:.1f})")
+
+
+if __name__ == "__main__":
+    main()
