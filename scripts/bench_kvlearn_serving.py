@@ -447,13 +447,12 @@ def deployment(tr: traces_lib.MooncakeTrace, cost: CostModel, rho: float) -> tup
 
 
 def simulate_cells(
-    traces: dict[str, traces_lib.MooncakeTrace], cost: CostModel, settings: list[str]
+    traces: dict[str, traces_lib.MooncakeTrace], cost: CostModel, settings: list[str], rho: float
 ) -> tuple[dict, dict]:
     """Every baseline and bound, and KVLearn with each grid setting, once on every workload ×
-    pool, each workload deployed at ρ* (``deployment``): ({(workload, pool, run): summary},
+    pool, each workload deployed at ``rho`` (``deployment``): ({(workload, pool, run): summary},
     {workload: size and deployment})."""
     t_start = time.perf_counter()
-    rho = _rho(cost)
     baselines = [x for x in BLOCK_POLICIES if x not in LEARNED]
     runs: dict[tuple, dict] = {}
     info = {}
@@ -508,11 +507,12 @@ def protocol(cost: CostModel, out: Path, *, scale: float) -> None:
     protocol.json and protocol.md."""
     t_start = time.perf_counter()
     classical = [c for c in CLASSICAL if c in BLOCK_POLICIES]
+    rho = _rho(cost)
     print(f"registry: {', '.join(BLOCK_POLICIES)}; classical: {', '.join(classical)}")
-    print(f"rho* = {_rho(cost):.3f}; grid: {', '.join(PROTOCOL_GRID)}", flush=True)
-    runs, info = simulate_cells(protocol_workloads(scale), cost, list(PROTOCOL_GRID))
+    print(f"rho* = {rho:.3f}; grid: {', '.join(PROTOCOL_GRID)}", flush=True)
+    runs, info = simulate_cells(protocol_workloads(scale), cost, list(PROTOCOL_GRID), rho)
     folds = [protocol_fold(w, list(info), runs, classical) for w in info]
-    meta = _meta(_rho(cost), scale, info, t_start)
+    meta = _meta(rho, scale, info, t_start)
     table = [{"workload": k[0], "pool_frac": k[1], "run": k[2]} | v for k, v in runs.items()]
     out.mkdir(parents=True, exist_ok=True)
     summary = protocol_summary(folds)
@@ -531,12 +531,13 @@ def confirm(cost: CostModel, out: Path, *, seed: int, setting: str, scale: float
     confirm_seed<seed>.json and .md."""
     t_start = time.perf_counter()
     classical = [c for c in CLASSICAL if c in BLOCK_POLICIES]
-    runs, info = simulate_cells(protocol_workloads(scale, seed=seed), cost, [setting])
+    rho = _rho(cost)
+    runs, info = simulate_cells(protocol_workloads(scale, seed=seed), cost, [setting], rho)
     folds = [
         {"held_out": w, "chosen": setting, "cells": held_cells(w, runs, classical, setting)}
         for w in info
     ]
-    meta = _meta(_rho(cost), scale, info, t_start) | {"seed": seed, "setting": setting}
+    meta = _meta(rho, scale, info, t_start) | {"seed": seed, "setting": setting}
     summary = protocol_summary(folds)
     doc = {"config": meta, "summary": summary, "folds": folds}
     out.mkdir(parents=True, exist_ok=True)
