@@ -34,11 +34,15 @@ def accuracies(path: Path, ratio: float = 0.25) -> dict[str, dict[str, float]]:
     return out
 
 
+def mean_accuracy(acc_policy: dict[str, float], tasks) -> float:
+    """A policy's mean accuracy over the retrieval cells ``tasks``."""
+    return statistics.fmean(acc_policy[t] for t in tasks)
+
+
 def choose(gm: dict, acc: dict, tova: dict, candidates: list[str]) -> tuple[str | None, list]:
     """(the chosen candidate or None, the admissible ones) by the rule."""
     admissible = [p for p in candidates if all(gm[r][p] <= ADMIT for r in RATIOS)]
-    mean = lambda p: statistics.fmean(acc[p][t] for t in tova)
-    ranked = sorted(admissible, key=lambda p: (-mean(p), gm[0.125][p]))
+    ranked = sorted(admissible, key=lambda p: (-mean_accuracy(acc[p], tova), gm[0.125][p]))
     if not ranked:
         return None, admissible
     best = ranked[0]
@@ -74,7 +78,7 @@ def main() -> None:
         cells = " | ".join(f"{acc[p][t]:g}" for t in tasks)
         lines.append(
             f"| {p} | {gm[0.25][p]:.3f} | {gm[0.125][p]:.3f} | {p in admissible} | {cells} "
-            f"| {statistics.fmean(acc[p][t] for t in tasks):.1f} |"
+            f"| {mean_accuracy(acc[p], tasks):.1f} |"
         )
     verdict = f"chosen: `{chosen}`" if chosen else "nothing chosen: the held-out data stays unread"
     lines += ["", f"**{verdict}**"]
