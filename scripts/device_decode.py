@@ -20,11 +20,18 @@ untimed runs (the first compiles), the variants take turns run by run and the me
 ``--runs`` runs are reported. ``GB/s`` is (weights + the K/V slots attention reads) / step
 time, a floor on the memory traffic.
 
+``--profile NAME[,NAME]`` then traces one more run of each named variant with
+``jax.profiler`` and writes ``device_profile.md``: the ops that took the most time per step
+(HLO ops on a GPU's "XLA Ops" line, or its kernels per stream; XLA's CPU thunks on a CPU),
+summed over the run, with the compiled HLO of each profiled variant beside it
+(``hlo_<name>.txt``, to look an op's shape up) — where a step's time goes, for the next tuning.
+
 Writes ``device_decode.json`` and ``device_decode.md`` into ``--out`` (default: ``$OUT``
 when set, else ``runs/device_decode``). ``--small`` runs tiny shapes (``ModelConfig.tiny``,
 context 96) so that the script can be checked on a CPU in seconds.
 
-    python scripts/device_decode.py [--small] [--out DIR] [--steps 32] [--runs 7]
+    python scripts/device_decode.py [--small] [--out DIR] [--steps 32] [--runs 7] \
+        [--profile full_b1,compressed_b8]
 
 On the device machine (JAX with CUDA is there; of jaxkv's imports ``gguf`` and ``qwix`` are not,
 so their wheels travel in ``.whl``: here, ``python3 -m pip download --no-deps
@@ -40,11 +47,14 @@ live at once). The H200 runs of session 25 are in ``results/device_decode/``.
 from __future__ import annotations
 
 import argparse
+import collections
 import functools
 import json
 import os
 import platform
+import shutil
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -130,8 +140,9 @@ def kv_bytes_read(cache) -> int:
     return sum(x.nbytes for x in leaves if x is not None)
 
 
-def time_variants(variants: dict, *, warmup: int, runs: int) -> dict:
-    """Seconds per run of each ``(run, cache, tok)`` variant: compile, warm up, take turns."""
+def time_variants(variants: dict, *, warmup: int, runs: int) -> tuple[dict, dict]:
+    """Seconds per run of each ``(run, cache, tok)`` variant: compile, warm up, take turns.
+    Also returns each variant's last ``(cache, tok)`` (the first were donated)."""
     state, compile_s, times = {}, {}, {n: [] for n in variants}
     for name, (run, cache, tok) in variants.items():
         t0 = time.perf_counter()
@@ -148,10 +159,82 @@ def time_variants(variants: dict, *, warmup: int, runs: int) -> dict:
     for name, (c, _) in state.items():
         if bool(c.overflow):
             raise RuntimeError(f"{name}: the cache overflowed (a bug in this script)")
-    return {
+    timings = {
         n: dict(runs_s=t, median_s=statistics.median(t), first_s=compile_s[n])
         for n, t in times.items()
     }
+    return timings, state
+
+
+def op_times(xplane: Path) -> tuple[str, dict[str, list[float]]]:
+    """Where a traced run's device time went: (what the events are, {op: [durations, s]}).
+
+    An accelerator's plane (``/device:GPU:0``, ``/device:TPU:0``) gives its "XLA Ops" line
+    (HLO op names) or else its streams' kernels; without one, XLA's CPU worker threads. Loops
+    and calls (their ops are counted) and the runtime's own events (``A::B``) are left out."""
+    data = jax.profiler.ProfileData.from_file(str(xplane))
+    device = [p for p in data.planes if p.name.startswith("/device:") and "CPU" not in p.name]
+    lines, kind = [], "XLA CPU thunks"
+    for plane in device:
+        ops = [ln for ln in plane.lines if ln.name == "XLA Ops"]
+        lines += ops or [ln for ln in plane.lines if ln.name.startswith("Stream")]
+        kind = f"{plane.name}: " + ("HLO ops" if ops else "kernels")
+    if not device:
+        lines = [ln for p in data.planes for ln in p.lines if ln.name.startswith("tf_XLA")]
+    times = collections.defaultdict(list)
+    for line in lines:
+        for e in line.events:
+            if e.name.split(".")[0] not in _CONTAINERS and "::" not in e.name:  # (runtime)
+                times[e.name].append(e.duration_ns / 1e9)
+    return kind, times
+
+
+_CONTAINERS = ("while", "conditional", "call")
+
+
+def profile_variant(name, run, carry, steps, out: Path, top: int = 30) -> list[str]:
+    """Traces one run of ``run`` (a ``make_runner`` bound to its weights, compiled and warm) from
+    ``carry`` = (cache, token_B); its top ops as Markdown, and its compiled HLO written to
+    ``out/hlo_<name>.txt``."""
+    (out / f"hlo_{name}.txt").write_text(run.func.lower(*run.args, *carry).compile().as_text())
+    trace_dir = tempfile.mkdtemp(prefix="jaxkv_device_profile_")
+    try:
+        with jax.profiler.trace(trace_dir):
+            t0 = time.perf_counter()
+            jax.block_until_ready(run(*carry))
+            wall = time.perf_counter() - t0
+        (xplane,) = Path(trace_dir).rglob("*.xplane.pb")
+        kind, times = op_times(xplane)
+    finally:
+        shutil.rmtree(trace_dir, ignore_errors=True)
+    total = sum(sum(t) for t in times.values())
+    lines = [
+        f"## {name}",
+        "",
+        f"One traced run of {steps} steps: {1e3 * wall / steps:.2f} ms / step wall; {kind}, "
+        f"{1e3 * total / steps:.2f} ms / step summed over {len(times)} distinct ops "
+        f"(ops on different streams or threads overlap, so the sum may exceed the wall time).",
+        "",
+        "| op | calls / step | ms / step | share of the sum |",
+        "|---|---|---|---|",
+    ]
+    ranked = sorted(times.items(), key=lambda kv: -sum(kv[1]))
+    for op, t in ranked[:top]:
+        lines.append(
+            f"| `{op}` | {len(t) / steps:g} | {1e3 * sum(t) / steps:.3f} | "
+            f"{100 * sum(t) / max(total, 1e-12):.1f} % |"
+        )
+    return lines + [""]
+
+
+def variant_specs(args) -> list[tuple[str, int, bool, str | None]]:
+    """(name, batch, compressed, KV dtype) of every variant the arguments ask for."""
+    specs = [("full_b1", 1, False, None)] if args.batch > 1 else []
+    for dt in [None] if args.no_int8 else [None, kvcache.INT8]:
+        suffix = "_int8" if dt else ""
+        specs += [(f"full_b{args.batch}{suffix}", args.batch, False, dt)]
+        specs += [(f"compressed_b{args.batch}{suffix}", args.batch, True, dt)]
+    return specs
 
 
 def build_variants(params, config, args):
@@ -160,16 +243,11 @@ def build_variants(params, config, args):
     comp = Compression.make(args.policy, ratio=args.ratio)
     cap = comp.capacity(n_max)
     n_kept = int(comp.budget_for(args.context))
-    kv_dtypes = [None] if args.no_int8 else [None, kvcache.INT8]
     full_run = functools.partial(make_runner(config, steps=args.steps, compression=None), params)
     comp_run = functools.partial(make_runner(config, steps=args.steps, compression=comp), params)
-    specs = [("full_b1", 1, None, None)] if args.batch > 1 else []
-    for dt in kv_dtypes:
-        suffix = "_int8" if dt else ""
-        specs += [(f"full_b{args.batch}{suffix}", args.batch, None, dt)]
-        specs += [(f"compressed_b{args.batch}{suffix}", args.batch, comp, dt)]
     variants, facts = {}, {}
-    for name, batch, c, dt in specs:
+    for name, batch, compressed, dt in variant_specs(args):
+        c = comp if compressed else None
         if c is None:
             cache = filled_cache(
                 config,
@@ -272,6 +350,11 @@ def parse_args(argv=None):
     ap.add_argument("--policy", default="h2o")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--no-int8", action="store_true", help="skip the int8 KV cache variants")
+    ap.add_argument(
+        "--profile",
+        default="",
+        help="variants to trace after the timing, comma-separated (e.g. full_b1,compressed_b8)",
+    )
     args = ap.parse_args(argv)
     small = args.small
     args.context = args.context or (96 if small else 4096)
@@ -281,6 +364,11 @@ def parse_args(argv=None):
         args.out = Path(os.environ.get("OUT") or "runs/device_decode")
     if args.warmup < 1:
         raise SystemExit("--warmup must be >= 1 (the first run compiles)")
+    names = [spec[0] for spec in variant_specs(args)]
+    args.profile = [n for n in args.profile.split(",") if n]
+    unknown = sorted(set(args.profile) - set(names))
+    if unknown:
+        raise SystemExit(f"--profile: no variant {unknown}; there are {names}")
     return args
 
 
@@ -295,7 +383,7 @@ def main(argv=None):
     params = jax.jit(lambda k: jaxkv.init_params(config, key=k))(jax.random.key(0))
     param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
     variants, facts = build_variants(params, config, args)
-    timings = time_variants(variants, warmup=args.warmup, runs=args.runs)
+    timings, last = time_variants(variants, warmup=args.warmup, runs=args.runs)
     meta = dict(
         model=config.name,
         dtype=args.dtype,
@@ -320,6 +408,13 @@ def main(argv=None):
     (args.out / "device_decode.json").write_text(json.dumps(report, indent=1))
     (args.out / "device_decode.md").write_text(text)
     print(f"wrote {args.out / 'device_decode.md'}")
+    if args.profile:
+        lines = [f"# Decode profile on {device.device_kind} ({config.name}, {args.dtype})", ""]
+        for name in args.profile:
+            lines += profile_variant(name, variants[name][0], last[name], args.steps, args.out)
+        (args.out / "device_profile.md").write_text("\n".join(lines))
+        print("\n".join(lines))
+        print(f"wrote {args.out / 'device_profile.md'}")
 
 
 if __name__ == "__main__":

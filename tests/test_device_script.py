@@ -16,7 +16,14 @@ def test_device_decode_small_runs_on_cpu(tmp_path):
     env.pop("OUT", None)
     cmd = [sys.executable, "scripts/device_decode.py", "--small", "--no-int8", "--batch", "1"]
     cmd += ["--steps", "2", "--runs", "1", "--warmup", "1", "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [*cmd, "--profile", "compressed_b1"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "captured during lowering" not in proc.stderr, proc.stderr[-3000:]
     report = json.loads((tmp_path / "device_decode.json").read_text())
@@ -27,3 +34,15 @@ def test_device_decode_small_runs_on_cpu(tmp_path):
     assert comp["capacity"] < full["capacity"]
     assert report["speedups"]["compressed_vs_full"] > 0
     assert "| compressed_b1 |" in (tmp_path / "device_decode.md").read_text()
+    # the profile of the traced variant: a table of ops with their time, and its HLO beside it
+    profile = (tmp_path / "device_profile.md").read_text()
+    assert "## compressed_b1" in profile and "XLA CPU thunks" in profile
+    rows = [ln for ln in profile.splitlines() if ln.startswith("| `")]
+    assert rows and all(float(r.split("|")[3]) >= 0 for r in rows)
+    assert not any(r.startswith(("| `while", "| `ThunkExecutor")) for r in rows)
+    assert "ENTRY" in (tmp_path / "hlo_compressed_b1.txt").read_text()
+    # an unknown variant is refused before anything runs or is written
+    bad = subprocess.run(
+        [*cmd, "--profile", "compressed_b9"], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert bad.returncode != 0 and "no variant ['compressed_b9']" in bad.stderr
