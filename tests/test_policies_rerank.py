@@ -156,6 +156,39 @@ def test_rank_blend_against_brute_force():
         np.testing.assert_allclose(got[idx], want, rtol=1e-6)
 
 
+@pytest.mark.parametrize("fraction", [0.0, 0.2, 0.5, 1.0])
+def test_rank_tier_against_brute_force(fraction):
+    rng = np.random.default_rng(4)
+    alloc = rng.random((2, 3, 2, 13))
+    alloc[..., :2] += TIER  # protected slots
+    alloc[..., 5] = alloc[..., 6]  # ties in both orders
+    other = rng.integers(0, 4, size=alloc.shape).astype(float)
+    valid = rng.random(alloc.shape) > 0.2
+    valid[0, 0, 0, :] = False  # an empty row
+    got = np.asarray(rerank_lib.rank_tier(alloc, other, valid, fraction))
+    for idx in np.ndindex(alloc.shape[:-1]):
+        a, o, v = alloc[idx], other[idx], valid[idx]
+        free = [c for c in np.flatnonzero(v) if a[c] < TIER]
+        by_other = sorted(free, key=lambda c: (-o[c], c))
+        tier = set(by_other[: int(np.ceil(fraction * len(free)))])
+        protected = sorted((c for c in np.flatnonzero(v) if a[c] >= TIER), key=lambda c: -a[c])
+        slots = protected + sorted(free, key=lambda c: (c not in tier, -a[c], c))
+        want = np.full(a.shape, -np.inf)
+        want[slots] = sorted(a[v], reverse=True)
+        np.testing.assert_allclose(got[idx], want, rtol=1e-6)
+
+
+def test_tier_keeps_the_other_policys_top_slots_in_each_row():
+    """tier@q:a+b through a global decode eviction: a's count per row, b's top slots first."""
+    name = "tier@0.25:h2o+tova"
+    policy = get_policy(name)
+    assert policy.name == name and dict(policy.spec)["tier"] == 0.25
+    kept, h2o = _decode_kept(name), _decode_kept("h2o")
+    assert [len(k) for k in kept] == [len(k) for k in h2o]  # h2o's allocation
+    assert kept != h2o  # the tier changed which tokens some row keeps
+    assert _decode_kept("tier@0:h2o+tova") == _decode_kept("tier@1:h2o+tova") == h2o  # no tier
+
+
 def _decode_kept(name: str, budget=6):
     """Tokens each row keeps after one global decode-protocol eviction of a prefilled cache."""
     policy = get_policy(name)
@@ -207,6 +240,8 @@ def test_blend_of_a_ranker_and_critical_runs_in_fidelity(tmp_path):
 def test_bad_mix_names_are_refused(bad):
     with pytest.raises(ValueError, match="blend"):
         get_policy(bad)
+    with pytest.raises(ValueError, match="tier"):  # the same names as a tier
+        get_policy(bad.replace("blend@", "tier@"))
 
 
 @pytest.mark.parametrize("weight", [0.0, 0.25, 0.75, 1.0])

@@ -10,7 +10,8 @@ context-reconstruction scores, fidelity's prefill protocol only: ``jaxkv.policie
 ``rerank:<policy>`` (kvzip's allocation across rows, the policy's order within each:
 ``jaxkv.policies.rerank``), ``rerank@<w>:<policy>`` (the same with a blend of the policy's
 and kvzip's order, weight w on the policy's), ``blend@<w>:<a>+<b>`` (a's allocation, each row
-ordered by a's and b's ranks, weight w on b's: ``jaxkv.policies.rerank``), or
+ordered by a's and b's ranks, weight w on b's: ``jaxkv.policies.rerank``), ``tier@<q>:<a>+<b>``
+(a's allocation and order, b's top fraction q of each row first), or
 ``learned:<checkpoint>`` (a folder written by ``python -m jaxkv.train distillcache``, or the
 name of a checkpoint shipped in ``jaxkv/checkpoints/``, e.g. ``learned:distillcache_smollm2_cpu``).
 
@@ -64,6 +65,7 @@ def policy_names() -> list[str]:
         RERANK_PREFIX + "<policy>",
         rerank.WEIGHTED + "<w>:<policy>",
         BLEND_PREFIX + "<w>:<a>+<b>",
+        rerank.TIER_MIX + "<q>:<a>+<b>",
     ]
 
 
@@ -86,9 +88,9 @@ def get_policy(name: str, **settings) -> Policy:
         return learned.load_learned(name.removeprefix(LEARNED_PREFIX), **settings)
     if name.startswith(RANKER_PREFIX):
         return ranker.load_ranker(name.removeprefix(RANKER_PREFIX), **settings)
-    if name.startswith(BLEND_PREFIX):
-        weight, a, b = rerank.parse_mix(name)
-        return rerank.mix(get_policy(a, **settings), get_policy(b), weight=weight)
+    if name.startswith(rerank.MIXES):
+        prefix, weight, a, b = rerank.parse_mix(name)
+        return rerank.mix(get_policy(a, **settings), get_policy(b), weight=weight, prefix=prefix)
     if name.startswith(RERANK_PREFIXES):
         weight, inner = rerank.parse(name)
         return rerank.rerank(get_policy(inner, **settings), weight=weight)

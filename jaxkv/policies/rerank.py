@@ -30,6 +30,11 @@ within it, ``(1 - w)`` × ``a``'s + ``w`` × ``b``'s, ties going to ``a``'s orde
 (``rank_blend``). Ranks, not scores, because the two scales need not be comparable (a
 heuristic's protected tier sits ``TIER`` above its other scores). ``w = 0`` is ``a``; ``w = 1``
 is ``b``'s order in ``a``'s allocation. ``a``'s protected slots stay first.
+
+``tier@<q>:<a>+<b>`` keeps ``a``'s allocation too, but orders each row by ``a`` alone after
+putting first the row's top ``ceil(q × n)`` slots by ``b`` (n: the row's unprotected valid
+slots), themselves in ``a``'s order (``rank_tier``): ``b`` decides only which few slots a row
+keeps whatever ``a`` thinks of them, e.g. what TOVA's newest query attends to.
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ from jaxkv.topn import inverse_permutation
 PREFIX = "rerank:"
 WEIGHTED = "rerank@"  # rerank@<w>:<policy>
 MIX = "blend@"  # blend@<w>:<a>+<b>
+TIER_MIX = "tier@"  # tier@<q>:<a>+<b>
+MIXES = (MIX, TIER_MIX)
 
 
 def transplant(alloc_LBKC: jnp.ndarray, order_LBKC: jnp.ndarray, valid_LBKC) -> jnp.ndarray:
@@ -100,52 +107,79 @@ def rank_blend(alloc_LBKC, other_LBKC, valid_LBKC, weight: float) -> jnp.ndarray
     slot, so they keep their own scores), the free slots' ranks (their places after the
     protected ones) and the row's scores in descending order; the free slot at place k of the
     mixed order takes the k-th highest free score (tested against that composition)."""
+
+    def mixed(own, free):
+        return (1.0 - weight) * own + weight * row_ranks(other_LBKC, free)
+
+    return _reorder(alloc_LBKC, valid_LBKC, mixed)
+
+
+def rank_tier(alloc_LBKC, other_LBKC, valid_LBKC, fraction: float) -> jnp.ndarray:
+    """``alloc``'s scores, each row's multiset kept, reordered within the row: ``alloc``'s
+    protected slots (>= TIER) first, then the row's top ``ceil(fraction × n)`` other valid
+    slots by ``other`` (n of them; ties: the lower slot), then the rest; within each group by
+    ``alloc``'s rank. Invalid slots get -inf (``rank_blend``'s three sorts, one more for the
+    ranks by ``other``)."""
+
+    def mixed(own, free):
+        n_tier = jnp.ceil(fraction * jnp.sum(free, axis=-1, keepdims=True))
+        return jnp.where(row_ranks(other_LBKC, free) < n_tier, 0.0, 1.0)
+
+    return _reorder(alloc_LBKC, valid_LBKC, mixed)
+
+
+def _reorder(alloc_LBKC, valid_LBKC, mixed_fn) -> jnp.ndarray:
+    """``rank_blend``'s placement for any order of the free slots: ``mixed_fn(own, free)`` gives
+    each slot a key (lower first; ties by ``own``, its rank by ``alloc`` among the free slots,
+    the row's length for the others)."""
     alloc = jnp.where(valid_LBKC, alloc_LBKC.astype(jnp.float32), -jnp.inf)
     protected = alloc >= TIER
     free = valid_LBKC & ~protected
     by_alloc = jnp.argsort(-alloc, axis=-1, stable=True)  # protected, free, invalid
     n_protected = jnp.sum(protected, axis=-1, keepdims=True)
     own = jnp.where(free, inverse_permutation(by_alloc) - n_protected, alloc.shape[-1])
-    mixed = (1.0 - weight) * own + weight * row_ranks(other_LBKC, free)
-    slots = jnp.lexsort((own, mixed), axis=-1)  # best first: by the mean rank, then by own
+    slots = jnp.lexsort((own, mixed_fn(own, free)), axis=-1)  # best first: by key, then own
     descending = jnp.take_along_axis(alloc, by_alloc, axis=-1)
     place = n_protected + inverse_permutation(slots)  # a free slot's place among the row's
     moved = jnp.take_along_axis(descending, jnp.minimum(place, alloc.shape[-1] - 1), axis=-1)
     return jnp.where(free, moved, alloc)
 
 
-def parse_mix(name: str) -> tuple[float, str, str]:
-    """``(weight, a, b)`` of ``blend@<w>:<a>+<b>``.
+def parse_mix(name: str) -> tuple[str, float, str, str]:
+    """``(prefix, weight, a, b)`` of ``blend@<w>:<a>+<b>`` or ``tier@<q>:<a>+<b>``.
 
     Raises:
         ValueError: a weight that is not a number in [0, 1], or not two policy names.
     """
-    head, _, pair = name.removeprefix(MIX).partition(":")
+    prefix = next(m for m in MIXES if name.startswith(m))
+    head, _, pair = name.removeprefix(prefix).partition(":")
     a, _, b = pair.partition("+")
     try:
         weight = float(head)
     except ValueError:
         weight = float("nan")
     if not 0.0 <= weight <= 1.0 or not a or not b:
-        raise ValueError(f"{name!r}: write blend@<w>:<a>+<b> with w in [0, 1] and two policies")
-    return weight, a, b
+        raise ValueError(f"{name!r}: write {prefix}<w>:<a>+<b> with w in [0, 1] and two policies")
+    return prefix, weight, a, b
 
 
-def mix(alloc: Policy, other: Policy, *, weight: float) -> Policy:
+def mix(alloc: Policy, other: Policy, *, weight: float, prefix: str = MIX) -> Policy:
     """``alloc``'s allocation across rows, each row ordered by the ``rank_blend`` of ``alloc``'s
-    and ``other``'s ranks at ``weight`` on ``other``'s (module docstring). Runs where both
-    run (protocols, granularities); its state is the two states, its statistics both sets.
+    and ``other``'s ranks at ``weight`` on ``other``'s, or (``prefix`` ``tier@``) by
+    ``rank_tier`` with ``weight`` the tier's fraction (module docstring). Runs where both run
+    (protocols, granularities); its state is the two states, its statistics both sets.
 
     Raises:
         ValueError: a policy that does not evict, needs a window's future or reconstruction,
             or reads ``recent`` statistics over a window of another length.
     """
+    reorder = {MIX: rank_blend, TIER_MIX: rank_tier}[prefix]
     for p in (alloc, other):
-        if not p.evicts or p.window_input is not None or p.name.startswith(MIX):
-            raise ValueError(f"blend: needs two cache-scoring policies, got {p.name!r}")
+        if not p.evicts or p.window_input is not None or p.name.startswith(MIXES):
+            raise ValueError(f"{prefix[:-1]}: needs two cache-scoring policies, got {p.name!r}")
     if alloc.window != other.window:
         raise ValueError(
-            f"blend: {alloc.name!r} and {other.name!r} read recent statistics over windows "
+            f"{prefix[:-1]}: {alloc.name!r} and {other.name!r} read recent statistics over windows "
             f"of {alloc.window} and {other.window} tokens"
         )
 
@@ -154,12 +188,12 @@ def mix(alloc: Policy, other: Policy, *, weight: float) -> Policy:
 
     def score(state, cache, **kw):
         a, b = (per_row(p.score(st, cache, **kw), cache) for p, st in zip(pair, state, strict=True))
-        return rank_blend(a, b, cache.valid, weight)
+        return reorder(a, b, cache.valid, weight)
 
     pair = (alloc, other)
     both = lambda field: tuple(x for x in getattr(alloc, field) if x in getattr(other, field))  # noqa: E731
     return Policy(
-        f"{MIX}{weight:g}:{alloc.name}+{other.name}",
+        f"{prefix}{weight:g}:{alloc.name}+{other.name}",
         score=score,
         init=init,
         granularities=both("granularities"),
@@ -169,7 +203,7 @@ def mix(alloc: Policy, other: Policy, *, weight: float) -> Policy:
         spec=(
             ("alloc", (alloc.name, alloc.spec)),
             ("other", (other.name, other.spec)),
-            ("weight", weight),
+            ("weight" if prefix == MIX else "tier", weight),
         ),
     )
 
