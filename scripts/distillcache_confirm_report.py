@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 from statistics import fmean as mean
 
-from jaxkv.policies import BLEND_PREFIX, LEARNED_PREFIX, RANKER_PREFIX, RERANK_PREFIXES
+from jaxkv.policies import LEARNED_PREFIX, RANKER_PREFIX, RERANK_PREFIXES, rerank
 
 PROTOCOLS = ("decode", "prefill")
 GRANULARITIES = ("global", "head", "adaptive", "layer", "shared")
@@ -32,8 +32,9 @@ RATIOS = (0.25, 0.125)
 
 
 def is_learned(policy: str) -> bool:
-    """A learned row: a learned or ranker policy, a rerank, or a blend with a learned part."""
-    mixed = policy.startswith(BLEND_PREFIX) and any(
+    """A learned row: a learned or ranker policy, a rerank, or a blend or tier with a learned
+    part."""
+    mixed = policy.startswith(rerank.MIXES) and any(
         p in policy for p in (LEARNED_PREFIX, RANKER_PREFIX)
     )
     return policy.startswith(LEARNED) or mixed

@@ -89,8 +89,9 @@ def test_report_names_only_the_planned_runs(tmp_path):
     assert text.strip().endswith("Runs not (yet) complete: decode_layer.")
 
 
-def test_a_blend_with_a_ranker_is_learned_and_one_of_heuristics_is_not(tmp_path):
-    blend = "blend@0.25:ranker:x+critical:h2o"
+@pytest.mark.parametrize("mix", ["blend@0.25", "tier@0.05"])
+def test_a_blend_with_a_ranker_is_learned_and_one_of_heuristics_is_not(tmp_path, mix):
+    blend = f"{mix}:ranker:x+critical:h2o"
     kl = {(blend, 0.25): 0.3, (blend, 0.125): 0.6, ("blend@0.5:h2o+tova", 0.25): 0.45,
           ("blend@0.5:h2o+tova", 0.125): 0.75}  # fmt: skip
     _fidelity(tmp_path / "decode_global", kl, per_window=2)
