@@ -135,47 +135,53 @@ def test_bad_blend_names_are_refused(bad):
         get_policy(bad)
 
 
-def test_rank_blend_against_brute_force():
-    rng = np.random.default_rng(2)
-    alloc = rng.random((2, 3, 2, 11))
+def _mix_rows(seed: int, n_slots: int):
+    """alloc (two protected slots a row, ties), other (many ties) and valid, [2, 3, 2, n]."""
+    rng = np.random.default_rng(seed)
+    alloc = rng.random((2, 3, 2, n_slots))
     alloc[..., :2] += TIER  # protected slots
     alloc[..., 5] = alloc[..., 6]  # ties in both orders
     other = rng.integers(0, 4, size=alloc.shape).astype(float)
-    valid = rng.random(alloc.shape) > 0.2
-    valid[..., :2] = True
-    got = np.asarray(rerank_lib.rank_blend(alloc, other, valid, 0.3))
+    return alloc, other, rng.random(alloc.shape) > 0.2
+
+
+def _assert_placed(got, alloc, other, valid, order_free):
+    """Each row of ``got`` holds the row's valid ``alloc`` scores, highest first along
+    protected slots (by ``alloc``), then ``order_free(free, a, o)``; -inf elsewhere."""
     for idx in np.ndindex(alloc.shape[:-1]):
         a, o, v = alloc[idx], other[idx], valid[idx]
         free = [c for c in np.flatnonzero(v) if a[c] < TIER]
+        protected = sorted((c for c in np.flatnonzero(v) if a[c] >= TIER), key=lambda c: -a[c])
+        want = np.full(a.shape, -np.inf)
+        want[protected + order_free(free, a, o)] = sorted(a[v], reverse=True)
+        np.testing.assert_allclose(got[idx], want, rtol=1e-6)
+
+
+def test_rank_blend_against_brute_force():
+    alloc, other, valid = _mix_rows(2, 11)
+    valid[..., :2] = True
+
+    def order_free(free, a, o):
         ra, rb = ({c: k for k, c in enumerate(sorted(free, key=lambda c, x=x: (-x[c], c)))}
                   for x in (a, o))  # fmt: skip
-        protected = sorted((c for c in np.flatnonzero(v) if a[c] >= TIER), key=lambda c: -a[c])
-        slots = protected + sorted(free, key=lambda c: (0.7 * ra[c] + 0.3 * rb[c], ra[c]))
-        want = np.full(a.shape, -np.inf)
-        want[slots] = sorted(a[v], reverse=True)
-        np.testing.assert_allclose(got[idx], want, rtol=1e-6)
+        return sorted(free, key=lambda c: (0.7 * ra[c] + 0.3 * rb[c], ra[c]))
+
+    got = np.asarray(rerank_lib.rank_blend(alloc, other, valid, 0.3))
+    _assert_placed(got, alloc, other, valid, order_free)
 
 
 @pytest.mark.parametrize("fraction", [0.0, 0.2, 0.5, 1.0])
 def test_rank_tier_against_brute_force(fraction):
-    rng = np.random.default_rng(4)
-    alloc = rng.random((2, 3, 2, 13))
-    alloc[..., :2] += TIER  # protected slots
-    alloc[..., 5] = alloc[..., 6]  # ties in both orders
-    other = rng.integers(0, 4, size=alloc.shape).astype(float)
-    valid = rng.random(alloc.shape) > 0.2
+    alloc, other, valid = _mix_rows(4, 13)
     valid[0, 0, 0, :] = False  # an empty row
-    got = np.asarray(rerank_lib.rank_tier(alloc, other, valid, fraction))
-    for idx in np.ndindex(alloc.shape[:-1]):
-        a, o, v = alloc[idx], other[idx], valid[idx]
-        free = [c for c in np.flatnonzero(v) if a[c] < TIER]
+
+    def order_free(free, a, o):
         by_other = sorted(free, key=lambda c: (-o[c], c))
         tier = set(by_other[: int(np.ceil(fraction * len(free)))])
-        protected = sorted((c for c in np.flatnonzero(v) if a[c] >= TIER), key=lambda c: -a[c])
-        slots = protected + sorted(free, key=lambda c: (c not in tier, -a[c], c))
-        want = np.full(a.shape, -np.inf)
-        want[slots] = sorted(a[v], reverse=True)
-        np.testing.assert_allclose(got[idx], want, rtol=1e-6)
+        return sorted(free, key=lambda c: (c not in tier, -a[c], c))
+
+    got = np.asarray(rerank_lib.rank_tier(alloc, other, valid, fraction))
+    _assert_placed(got, alloc, other, valid, order_free)
 
 
 def test_tier_keeps_the_other_policys_top_slots_in_each_row():
