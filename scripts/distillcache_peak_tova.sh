@@ -4,8 +4,8 @@
 # on data seed 6) and applies the rule; `heldout` runs the chosen one once on unread BIG-Bench
 # Hard windows (--heldout 0.4375) and retrieval data seed 8; `retrieval-only` (the addendum)
 # runs the retrieval candidate on seed 8 alone; `select2` / `heldout2` are round 2 (lighter
-# blends) and `select3` / `heldout3` round 3 (a TOVA tier), held-out retrieval on data seed 9.
-# Finished runs are skipped.
+# blends) and `select3` / `heldout3` round 3 (a TOVA tier), held-out retrieval on data seed 9;
+# `select4` / `heldout4` round 4 (wider tiers; BBH 0.3125, data seed 10). Finished runs are skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-.venv/bin/python}
@@ -13,25 +13,28 @@ source scripts/lib.sh
 out=${OUT:-results/distillcache_peak_tova}
 peak=ranker:ranker_peak_tier_smollm2_cpu
 candidates=("blend@0.5:$peak+tova" "blend@0.75:$peak+tova" "blend@1:$peak+tova")
-dev=dev seed=8
+dev=dev seed=8 bbh=0.4375
 if [[ ${1:-} == *2 ]]; then  # round 2
   candidates=("blend@0.125:$peak+tova" "blend@0.25:$peak+tova" "blend@0.375:$peak+tova")
   dev=dev2 seed=9 out=$out/round2
 elif [[ ${1:-} == *3 ]]; then  # round 3
   candidates=("tier@0.02:$peak+tova" "tier@0.05:$peak+tova" "tier@0.1:$peak+tova")
   dev=dev3 seed=9 out=$out/round3
+elif [[ ${1:-} == *4 ]]; then  # round 4
+  candidates=("tier@0.2:$peak+tova" "tier@0.3:$peak+tova" "tier@0.5:$peak+tova")
+  dev=dev4 seed=10 bbh=0.3125 out=$out/round4
 fi
 case "${1:-}" in
-  select | select2 | select3)
+  select | select2 | select3 | select4)
     domain_check "$out/$dev" "$peak,$(IFS=,; echo "${candidates[*]}")"
     retrieval_runs "$out/$dev" 6 "$(IFS=,; echo "${candidates[*]}")"
     "$py" scripts/distillcache_peak_tova_select.py "$out/$dev" "${candidates[@]}" --base "$peak" ;;
-  heldout | heldout2 | heldout3)
+  heldout | heldout2 | heldout3 | heldout4)
     chosen=$(cat "$out/$dev/chosen.txt" 2>/dev/null) || { echo "nothing chosen: $0 ${1/held/sel}" >&2; exit 2; }
-    decode_heldout "$out" "$chosen,$peak" 0.4375
+    decode_heldout "$out" "$chosen,$peak" "$bbh"
     retrieval_runs "$out" "$seed" "full,$chosen,$peak,h2o,critical:h2o,tova" tova,h2o,critical:h2o,snapkv ;;
   retrieval-only)  # PROTOCOL.md's addendum: the retrieval candidate, once, on data seed 8
     chosen="blend@0.75:$peak+tova"
     retrieval_runs "$out" 8 "full,$chosen,$peak,h2o,critical:h2o,tova" tova,h2o,critical:h2o,snapkv ;;
-  *) echo "usage: $0 select | heldout | retrieval-only | select2 | heldout2 | select3 | heldout3" >&2; exit 2 ;;
+  *) echo "usage: $0 select | heldout | retrieval-only | select2 | heldout2 | select3 | heldout3 | select4 | heldout4" >&2; exit 2 ;;
 esac
