@@ -118,8 +118,7 @@ def rank_tier(alloc_LBKC, other_LBKC, valid_LBKC, fraction: float) -> jnp.ndarra
     """``alloc``'s scores, each row's multiset kept, reordered within the row: ``alloc``'s
     protected slots (>= TIER) first, then the row's top ``ceil(fraction × n)`` other valid
     slots by ``other`` (n of them; ties: the lower slot), then the rest; within each group by
-    ``alloc``'s rank. Invalid slots get -inf (``rank_blend``'s three sorts, one more for the
-    ranks by ``other``)."""
+    ``alloc``'s rank. Invalid slots get -inf (the same three row sorts as ``rank_blend``)."""
 
     def mixed(own, free):
         n_tier = jnp.ceil(fraction * jnp.sum(free, axis=-1, keepdims=True))
