@@ -166,6 +166,9 @@ def time_variants(variants: dict, *, warmup: int, runs: int) -> tuple[dict, dict
     return timings, state
 
 
+_CONTAINERS = ("while", "conditional", "call")  # profile events whose time is their ops'
+
+
 def op_times(xplane: Path) -> tuple[str, dict[str, list[float]]]:
     """Where a traced run's device time went: (what the events are, {op: [durations, s]}).
 
@@ -184,12 +187,9 @@ def op_times(xplane: Path) -> tuple[str, dict[str, list[float]]]:
     times = collections.defaultdict(list)
     for line in lines:
         for e in line.events:
-            if e.name.split(".")[0] not in _CONTAINERS and "::" not in e.name:  # (runtime)
+            if e.name.split(".")[0] not in _CONTAINERS and "::" not in e.name:
                 times[e.name].append(e.duration_ns / 1e9)
     return kind, times
-
-
-_CONTAINERS = ("while", "conditional", "call")
 
 
 def profile_variant(name, run, carry, steps, out: Path, top: int = 30) -> list[str]:

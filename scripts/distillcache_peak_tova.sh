@@ -24,6 +24,9 @@ elif [[ ${1:-} == *4 ]]; then  # round 4
   candidates=("tier@0.2:$peak+tova" "tier@0.3:$peak+tova" "tier@0.5:$peak+tova")
   dev=dev4 seed=10 bbh=0.3125 out=$out/round4
 fi
+heldout_retrieval() {  # CHOSEN SEED: the held-out retrieval runs of every round
+  retrieval_runs "$out" "$2" "full,$1,$peak,h2o,critical:h2o,tova" tova,h2o,critical:h2o,snapkv
+}
 case "${1:-}" in
   select | select2 | select3 | select4)
     domain_check "$out/$dev" "$peak,$(IFS=,; echo "${candidates[*]}")"
@@ -32,9 +35,8 @@ case "${1:-}" in
   heldout | heldout2 | heldout3 | heldout4)
     chosen=$(cat "$out/$dev/chosen.txt" 2>/dev/null) || { echo "nothing chosen: $0 ${1/held/sel}" >&2; exit 2; }
     decode_heldout "$out" "$chosen,$peak" "$bbh"
-    retrieval_runs "$out" "$seed" "full,$chosen,$peak,h2o,critical:h2o,tova" tova,h2o,critical:h2o,snapkv ;;
+    heldout_retrieval "$chosen" "$seed" ;;
   retrieval-only)  # PROTOCOL.md's addendum: the retrieval candidate, once, on data seed 8
-    chosen="blend@0.75:$peak+tova"
-    retrieval_runs "$out" 8 "full,$chosen,$peak,h2o,critical:h2o,tova" tova,h2o,critical:h2o,snapkv ;;
+    heldout_retrieval "blend@0.75:$peak+tova" 8 ;;
   *) echo "usage: $0 select | heldout | retrieval-only | select2 | heldout2 | select3 | heldout3 | select4 | heldout4" >&2; exit 2 ;;
 esac

@@ -144,6 +144,10 @@ def _reorder(alloc_LBKC, valid_LBKC, mixed_fn) -> jnp.ndarray:
     return jnp.where(free, moved, alloc)
 
 
+_REORDERS = {MIX: (rank_blend, "weight"), TIER_MIX: (rank_tier, "tier")}
+"""Each mix's row reordering and the name of its number in the policy's spec."""
+
+
 def parse_mix(name: str) -> tuple[str, float, str, str]:
     """``(prefix, weight, a, b)`` of ``blend@<w>:<a>+<b>`` or ``tier@<q>:<a>+<b>``.
 
@@ -172,7 +176,7 @@ def mix(alloc: Policy, other: Policy, *, weight: float, prefix: str = MIX) -> Po
         ValueError: a policy that does not evict, needs a window's future or reconstruction,
             or reads ``recent`` statistics over a window of another length.
     """
-    reorder = {MIX: rank_blend, TIER_MIX: rank_tier}[prefix]
+    reorder, setting = _REORDERS[prefix]
     for p in (alloc, other):
         if not p.evicts or p.window_input is not None or p.name.startswith(MIXES):
             raise ValueError(f"{prefix[:-1]}: needs two cache-scoring policies, got {p.name!r}")
@@ -202,7 +206,7 @@ def mix(alloc: Policy, other: Policy, *, weight: float, prefix: str = MIX) -> Po
         spec=(
             ("alloc", (alloc.name, alloc.spec)),
             ("other", (other.name, other.spec)),
-            ("weight" if prefix == MIX else "tier", weight),
+            (setting, weight),
         ),
     )
 
