@@ -5,7 +5,9 @@
 # Hard windows (--heldout 0.4375) and retrieval data seed 8; `retrieval-only` (the addendum)
 # runs the retrieval candidate on seed 8 alone; `select2` / `heldout2` are round 2 (lighter
 # blends) and `select3` / `heldout3` round 3 (a TOVA tier), held-out retrieval on data seed 9;
-# `select4` / `heldout4` round 4 (wider tiers; BBH 0.3125, data seed 10). Finished runs are skipped.
+# `select4` / `heldout4` round 4 (wider tiers; BBH 0.3125, data seed 10, left unread);
+# `heldout5` round 5 (the look-up blend of round 1, nothing chosen, on that same unread data).
+# Finished runs are skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-.venv/bin/python}
@@ -23,6 +25,8 @@ elif [[ ${1:-} == *3 ]]; then  # round 3
 elif [[ ${1:-} == *4 ]]; then  # round 4
   candidates=("tier@0.2:$peak+tova" "tier@0.3:$peak+tova" "tier@0.5:$peak+tova")
   dev=dev4 seed=10 bbh=0.3125 out=$out/round4
+elif [[ ${1:-} == heldout5 ]]; then  # round 5: no selection, the look-up recommendation
+  seed=10 bbh=0.3125 out=$out/round5
 fi
 heldout_retrieval() {  # CHOSEN SEED: the held-out retrieval runs of every round
   retrieval_runs "$out" "$2" "full,$1,$peak,h2o,critical:h2o,tova" tova,h2o,critical:h2o,snapkv
@@ -36,7 +40,10 @@ case "${1:-}" in
     chosen=$(cat "$out/$dev/chosen.txt" 2>/dev/null) || { echo "nothing chosen: $0 ${1/held/sel}" >&2; exit 2; }
     decode_heldout "$out" "$chosen,$peak" "$bbh"
     heldout_retrieval "$chosen" "$seed" ;;
+  heldout5)
+    decode_heldout "$out" "blend@0.75:$peak+tova,$peak" "$bbh"
+    heldout_retrieval "blend@0.75:$peak+tova" "$seed" ;;
   retrieval-only)  # PROTOCOL.md's addendum: the retrieval candidate, once, on data seed 8
     heldout_retrieval "blend@0.75:$peak+tova" 8 ;;
-  *) echo "usage: $0 select | heldout | retrieval-only | select2 | heldout2 | select3 | heldout3 | select4 | heldout4" >&2; exit 2 ;;
+  *) echo "usage: $0 select | heldout | retrieval-only | select2 | heldout2 | select3 | heldout3 | select4 | heldout4 | heldout5" >&2; exit 2 ;;
 esac
