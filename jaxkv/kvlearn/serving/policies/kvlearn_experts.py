@@ -675,6 +675,7 @@ class ShadowPool:
         """Called with each block this shadow evicts (the policy's ``follow`` hook)."""
         self.cache = PrefixCache(capacity, n_blocks=n_blocks, on_evict=self._evicted)
         self.freq_P = np.zeros(n_blocks, np.int64)
+        self._freq_v = memoryview(self.freq_P)  # the same memory, read block by block
         self.inflation = 0.0
         self.tick = 0
 
@@ -684,38 +685,34 @@ class ShadowPool:
             self.on_evict(b)
 
     def _key(self, pol: ExpertKVLearn, b: int, j: int) -> tuple:
+        """Block b's priority here (through the policy's views of its per-block arrays and
+        its cost lists: the same numbers as the arrays')."""
         self.tick += 1
         if self.kind == "lru":
             return (self.tick,)
         if self.kind == "lfu":
-            return (int(pol.state.count_P[b]), self.tick)
+            return (pol._count_v[b], self.tick)
         if self.kind == "gdsf":
-            self.freq_P[b] = self.freq_P[b] + 1 if self.cache.res_view[b] else 1
-            return (self.inflation + self.freq_P[b] * float(pol.block_save_P[b]), self.tick)
-        v = self.inflation + float(pol.state.p_hat_P[b]) * float(pol.costs.save_ms[j])
-        return (v, self.tick)
+            freq = self._freq_v
+            freq[b] = freq[b] + 1 if self.cache.res_view[b] else 1
+            return (self.inflation + freq[b] * pol._block_save[b], self.tick)
+        return (self.inflation + pol._p_hat_v[b] * pol._save[j], self.tick)
 
     def step(self, pol: ExpertKVLearn, blocks) -> float:
-        """One request: touch the hit prefix, store the rest; the recompute saved (ms)."""
-        hit = self.lookup(pol, blocks)
-        self.store(pol, blocks, hit)
-        return float(pol.costs.save_ms[:hit].sum())
-
-    def lookup(self, pol: ExpertKVLearn, blocks) -> int:
-        """Touches the request's hit prefix; its length."""
-        c = self.cache
-        hit = c.match(blocks) if c.capacity else 0
+        """One request: touch the hit prefix, store the rest (in prefix order: a resident block
+        is touched; the first that cannot be stored, its parent gone, ends it); the recompute
+        its hits saved, Σ_{j<hit} s_j (ms)."""
+        c, key = self.cache, self._key
+        if not c.capacity:
+            return 0.0
+        ids = _ids(blocks)
+        hit = c.match(ids)
         for j in range(hit):
-            c.touch(int(blocks[j]), self._key(pol, int(blocks[j]), j))
-        return hit
-
-    def store(self, pol: ExpertKVLearn, blocks, hit: int) -> None:
-        """Stores the request's blocks after its hit prefix, in prefix order (a resident one
-        is touched; stops at the first that cannot be stored: its parent has left)."""
-        c = self.cache
-        parent = int(blocks[hit - 1]) if hit else ROOT
-        for j in range(hit, len(blocks) if c.capacity else 0):
-            b = int(blocks[j])
-            if not c.insert(b, parent, self._key(pol, b, j)):
+            c.touch(ids[j], key(pol, ids[j], j))
+        parent = ids[hit - 1] if hit else ROOT
+        for j in range(hit, len(ids)):
+            b = ids[j]
+            if not c.insert(b, parent, key(pol, b, j)):
                 break
             parent = b
+        return pol._saved_upto[hit]
