@@ -346,6 +346,30 @@ def test_retrieval_under_prefill_and_ratio_one_is_the_full_cache(tmp_path):
     assert _completions_at(decode["records"], 0.25) != _completions_at(doc["records"], 0.25)
 
 
+def test_retrieval_per_head_bounds_reach_the_compression(tmp_path):
+    """``--granularity global`` with every head held to exactly B (floor = cap = 1) keeps each
+    row's own top B, as ``--granularity head`` does: the same completions; the default bounds
+    (0.2, 2) let rows trade budget and answer otherwise. The bounds are recorded only when
+    given."""
+    args = ["retrieval", *TINY, "--policies", "full,h2o,tova", "--ratios", "0.25", "--seeds", "0"]
+    args += ["--limit", "2", "--lengths", "512", "--tasks", "passkey,needle"]
+    runs = {
+        "head": ["--granularity", "head"],
+        "held": ["--granularity", "global", "--head-floor", "1", "--head-cap", "1"],
+        "pooled": ["--granularity", "global"],
+    }
+    docs = {}
+    for name, flags in runs.items():
+        assert _run([*args, *flags], tmp_path / name) == 0
+        docs[name] = _load(tmp_path / name, "retrieval")
+    assert docs["held"]["config"]["head_floor"] == 1.0 and docs["held"]["config"]["head_cap"] == 1.0
+    assert "head_floor" not in docs["pooled"]["config"] and "head_cap" not in docs["head"]["config"]
+    head, held, pooled = (_completions_at(docs[n]["records"], 0.25) for n in runs)
+    assert set(held) == set(head) and {p for p, _, _ in held} == {"h2o", "tova"}
+    assert held == head
+    assert held != pooled
+
+
 @pytest.mark.parametrize(
     "selection",
     [[], ["--protocol", "prefill"], ["--protocol", "prefill", "--granularity", "adaptive"]],
@@ -432,6 +456,7 @@ def test_longbench_end_to_end_and_malformed_line_keeps_partial_results(tmp_path,
         (["positions", "--policies", "h2o,oracle"], "oracle policy needs"),
         (["retrieval", "--policies", "h2o@head"], "h2o@head: a granularity of its own"),
         (["fidelity", "--policies", "h2o@layer", "--head-cap", "2"], "only with --granularity"),
+        (["retrieval", "--head-floor", "0.5"], "--head-floor: only with --granularity"),
     ],
 )
 def test_bad_input_gives_a_clear_error(args, message, tmp_path, capsys):

@@ -254,19 +254,7 @@ def _fidelity_flags(parser: argparse.ArgumentParser) -> None:
         "the full row is the int8 full cache",
     )
     _selection_flags(parser)
-    parser.add_argument(
-        "--head-floor",
-        type=flags.float_range(0.0, 1.0, lo_open=False, hi_open=False),
-        default=None,
-        help="adaptive/global: each KV head keeps at least floor(x*B) tokens (default 0.2)",
-    )
-    parser.add_argument(
-        "--head-cap",
-        type=flags.float_range(1.0, math.inf, lo_open=False, hi_open=True),
-        default=None,
-        help="adaptive/global: each KV head keeps at most floor(x*B) tokens, and has that many "
-        "slots (default 2; a cap of 1/r or more keeps no memory: kvpress's masked KVzip)",
-    )
+    _pooling_flags(parser)
     parser.add_argument(
         "--evict-every",
         type=flags.positive_int,
@@ -292,6 +280,22 @@ def _selection_flags(parser: argparse.ArgumentParser) -> None:
         help="shared: one token set for all layers and heads (the paper); layer; head; "
         "adaptive: AdaKV, a layer's K*B tokens pooled over its KV heads (2x the slots of head); "
         "global: one pool of L*K*B tokens over every layer and KV head (KVzip's; 2x the slots)",
+    )
+
+
+def _pooling_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--head-floor",
+        type=flags.float_range(0.0, 1.0, lo_open=False, hi_open=False),
+        default=None,
+        help="adaptive/global: each KV head keeps at least floor(x*B) tokens (default 0.2)",
+    )
+    parser.add_argument(
+        "--head-cap",
+        type=flags.float_range(1.0, math.inf, lo_open=False, hi_open=True),
+        default=None,
+        help="adaptive/global: each KV head keeps at most floor(x*B) tokens, and has that many "
+        "slots (default 2; a cap of 1/r or more keeps no memory: kvpress's masked KVzip)",
     )
 
 
@@ -322,12 +326,20 @@ def _retrieval_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.set_defaults(batch=6)
     _selection_flags(parser)
+    _pooling_flags(parser)
 
 
 def _retrieval(args: argparse.Namespace, job: runner.Job) -> report.ResultStore:
     names = list(dict.fromkeys(runner.parse_list(args.tasks, kind=str, what="--tasks")))
     lengths = list(dict.fromkeys(runner.parse_list(args.lengths, kind=int, what="--lengths")))
-    return retrieval.evaluate(job, task_names=names, lengths=lengths, data_seed=args.data_seed)
+    return retrieval.evaluate(
+        job,
+        task_names=names,
+        lengths=lengths,
+        data_seed=args.data_seed,
+        head_floor=args.head_floor,
+        head_cap=args.head_cap,
+    )
 
 
 def _gsm8k_flags(parser: argparse.ArgumentParser) -> None:

@@ -171,6 +171,7 @@ def run_generation(
     total: int | None = None,
     protocol: str = "decode",
     granularity: str = "shared",
+    compression_options: dict | None = None,
 ) -> list[dict]:
     """Generates and scores every example under the full cache and each policy × ratio.
 
@@ -188,7 +189,10 @@ def run_generation(
         total: number of examples, for the progress bar (optional).
         protocol: ``decode`` (evict at every decode step) or ``prefill`` (compress the prompt
             once).
-        granularity: ``shared``, ``layer``, ``head`` or ``adaptive`` (``jaxkv.eviction``).
+        granularity: ``shared``, ``layer``, ``head``, ``adaptive`` or ``global``
+            (``jaxkv.eviction``).
+        compression_options: further ``Compression`` settings of every policy row (the
+            per-head bounds ``head_floor``, ``head_cap``); None: the defaults.
 
     Returns:
         The store's summarized rows.
@@ -202,7 +206,12 @@ def run_generation(
     switch = switch_policy(members, granularity=granularity) if members else None
     comps = {
         r: switch_compression(
-            switch, ratio=r, min_budget=min_budget, protocol=protocol, granularity=granularity
+            switch,
+            ratio=r,
+            min_budget=min_budget,
+            protocol=protocol,
+            granularity=granularity,
+            **(compression_options or {}),
         )
         for r in (ratios if members else [])
     }

@@ -443,6 +443,23 @@ def check_selection(job: Job, settings: FidelitySettings | None = None) -> None:
                 )
 
 
+def pooling_options(
+    job: Job, *, head_floor: float | None = None, head_cap: float | None = None
+) -> dict:
+    """The per-head bounds given (None: not given) as ``Compression`` keyword arguments;
+    raises unless a row of ``job`` pools rows (``adaptive``, ``global``), which alone read
+    them."""
+    pooling = {"head_floor": head_floor, "head_cap": head_cap}
+    pooling = {k: v for k, v in pooling.items() if v is not None}
+    pooled = {g.selection(job.granularity) for g in job.groups if not g.is_full} & set(POOLED)
+    if pooling and not pooled and job.granularity not in POOLED:
+        names = "/".join("--" + k.replace("_", "-") for k in pooling)
+        raise ValueError(
+            f"{names}: only with --granularity adaptive or global (or a row's @adaptive/@global)"
+        )
+    return pooling
+
+
 def check_prompt_len(*, window: int, prompt_len: int) -> None:
     """``prompt_len`` must leave at least one token of the ``window`` to teacher-force."""
     if not 0 < prompt_len < window:
@@ -491,14 +508,7 @@ def evaluate(
         ImportError: ``wikitext`` without the ``datasets`` extra.
     """
     check_prompt_len(window=window, prompt_len=prompt_len)
-    pooling = {"head_floor": head_floor, "head_cap": head_cap}
-    pooling = {k: v for k, v in pooling.items() if v is not None}
-    pooled = {g.selection(job.granularity) for g in job.groups if not g.is_full} & set(POOLED)
-    if pooling and not pooled and job.granularity not in POOLED:
-        names = "/".join("--" + k.replace("_", "-") for k in pooling)
-        raise ValueError(
-            f"{names}: only with --granularity adaptive or global (or a row's @adaptive/@global)"
-        )
+    pooling_options(job, head_floor=head_floor, head_cap=head_cap)
     if evict_every is not None and job.protocol != "decode":
         raise ValueError("--evict-every: only with --protocol decode (prefill evicts once)")
     settings = FidelitySettings(

@@ -116,7 +116,13 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
 
 
 def evaluate(
-    job: Job, *, task_names: Sequence[str], lengths: Sequence[int], data_seed: int = 0
+    job: Job,
+    *,
+    task_names: Sequence[str],
+    lengths: Sequence[int],
+    data_seed: int = 0,
+    head_floor: float | None = None,
+    head_cap: float | None = None,
 ) -> report.ResultStore:
     """``job.limit`` seeded prompts of every task × length through
     ``benchmarks.run_generation``; returns the finished store.
@@ -126,18 +132,23 @@ def evaluate(
         task_names: names from ``TASKS``.
         lengths: context lengths in tokens, each at least ``MIN_LENGTH``.
         data_seed: seed of the keys, depths and filler.
+        head_floor, head_cap: per-head bounds of ``adaptive`` and ``global``
+            (``Compression.head_floor`` / ``head_cap``; None: the defaults; an error with any
+            other granularity).
 
     Raises:
-        ValueError: an unknown task, a short length, or a policy that does not support
-            ``job.granularity``, before the model loads; a prompt longer than the model's
-            context, before the first cell runs.
+        ValueError: an unknown task, a short length, a policy that does not support
+            ``job.granularity``, or per-head bounds without a pooled granularity or out of
+            range, before the model loads; a prompt longer than the model's context, before
+            the first cell runs.
     """
     for name in task_names:
         if name not in TASKS:
             raise ValueError(f"unknown retrieval task {name!r}; valid: {', '.join(TASKS)}")
     if min(lengths) < MIN_LENGTH:
         raise ValueError(f"--lengths must be >= {MIN_LENGTH} tokens, got {list(lengths)}")
-    fidelity.check_selection(job)
+    pooling = fidelity.pooling_options(job, head_floor=head_floor, head_cap=head_cap)
+    fidelity.check_selection(job, fidelity.FidelitySettings(**pooling))
     model = runner.load_eval_model(job.model, dtype=job.dtype)
     for n_tokens in lengths:
         need = n_tokens + 64 + tasks.RETRIEVAL_MAX_NEW_TOKENS
@@ -152,6 +163,7 @@ def evaluate(
             "lengths": lengths,
             "data_seed": data_seed,
             **benchmarks.selection_config(job),
+            **pooling,  # only when given: default runs keep their earlier files
         },
         summarize=benchmarks.summarize,
         render=render,
@@ -177,6 +189,7 @@ def evaluate(
             total=len(batch),
             protocol=job.protocol,
             granularity=job.granularity,
+            compression_options=pooling,
         )
     store.finish()
     return store
