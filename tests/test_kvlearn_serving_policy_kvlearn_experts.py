@@ -167,45 +167,59 @@ def test_gd_expert_inflation_follows_the_lowest_gd_leaf():
     assert pol.xs.inflation_E.tolist() == [0.0, pytest.approx(0.3 * pol.costs.save_ms[0])]
 
 
-class RefLRUPrefix:
-    """A plain-Python LRU prefix cache: a lookup touches the hit prefix; storing a request's
-    blocks after its hit evicts the least recently touched leaf (never the block's own parent)
-    and stops when nothing is evictable or the parent has left."""
+class RefKeyedPrefix:
+    """A plain-Python prefix cache whose victim is the leaf with the lowest (value, clock) of
+    its last touch, ``value(ref, b, j, resident)`` read at that touch (before the store's
+    evictions); an eviction raises the inflation L to the victim's value (GreedyDual's)."""
 
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self.resident: dict[int, int] = {}  # block → last touch
+    def __init__(self, capacity: int, value):
+        self.capacity, self.value = capacity, value
+        self.resident: dict[int, tuple[float, int]] = {}
         self.parent: dict[int, int] = {}
-        self.clock = 0
+        self.clock, self.inflation = 0, 0.0
 
-    def _touch(self, b: int) -> None:
+    def _touch(self, b: int, j: int) -> None:
         self.clock += 1
-        self.resident[b] = self.clock
+        self.resident[b] = (self.value(self, b, j, b in self.resident), self.clock)
 
     def lookup(self, blk: list[int]) -> int:
         hit = 0
         while hit < len(blk) and blk[hit] in self.resident:
             hit += 1
-        for b in blk[:hit]:
-            self._touch(b)
+        for j in range(hit):
+            self._touch(blk[j], j)
         return hit
 
     def store(self, blk: list[int], hit: int) -> None:
+        """Stores blk's blocks after its hit prefix (a resident one is touched), evicting as
+        needed; stops when nothing is evictable or the parent has left."""
         for j in range(hit, len(blk)):
             if j and blk[j - 1] not in self.resident:
                 return
-            if blk[j] not in self.resident and len(self.resident) >= self.capacity:
+            if blk[j] in self.resident:
+                self._touch(blk[j], j)
+                continue
+            key = (self.value(self, blk[j], j, False), self.clock + 1)
+            while len(self.resident) >= self.capacity:
                 pinned = blk[j - 1] if j else None
                 leaves = [
                     x
                     for x in self.resident
                     if x != pinned and not any(self.parent[y] == x for y in self.resident)
                 ]
-                if not leaves:  # only the pinned parent is a leaf: the rest is refused
+                if not leaves:
                     return
-                del self.resident[min(leaves, key=self.resident.get)]
-            self._touch(blk[j])
+                victim = min(leaves, key=self.resident.get)
+                self.inflation = max(self.inflation, self.resident.pop(victim)[0])
+            self.clock += 1
+            self.resident[blk[j]] = key
             self.parent[blk[j]] = blk[j - 1] if j else -1
+
+
+def ref_lru(capacity: int) -> RefKeyedPrefix:
+    """A plain-Python LRU prefix cache: every value equal, so the least recently touched leaf
+    goes first."""
+    return RefKeyedPrefix(capacity, lambda *_: 0.0)
 
 
 def test_shadow_pool_keeps_what_its_expert_alone_would_keep():
@@ -216,7 +230,37 @@ def test_shadow_pool_keeps_what_its_expert_alone_would_keep():
     tr = _trace(reqs)
     pol = ExpertKVLearn(tr, COST, pool_blocks=3, experts=("lru",), predictor="logistic")
     sh = ShadowPool("lru", 3, tr.n_blocks)
-    ref = RefLRUPrefix(3)
+    ref = ref_lru(3)
+    for blk in tr.blocks:
+        blk = blk.tolist()
+        hit = ref.lookup(blk)
+        assert sh.step(pol, np.array(blk)) == pytest.approx(sum(pol.costs.save_ms[:hit]))
+        ref.store(blk, hit)
+        assert set(np.flatnonzero(sh.cache.resident).tolist()) == set(ref.resident)
+
+
+@pytest.mark.parametrize("kind", ["lfu", "gdsf", "gd"])
+def test_shadow_pools_of_the_ordered_experts_keep_what_a_scan_would(kind):
+    """``lfu``, ``gdsf`` and ``gd`` shadows of capacity 4 against ``RefKeyedPrefix`` with
+    each expert's value, written out from the policy's arrays (random access counts and P̂):
+    the same resident blocks and the same saving after every request."""
+    reqs = _random_requests(3, n_req=300)
+    tr = _trace(reqs)
+    pol = ExpertKVLearn(tr, COST, pool_blocks=4, experts=("lru",), predictor="logistic")
+    rng = np.random.default_rng(0)
+    pol.state.count_P[:] = rng.integers(0, 5, tr.n_blocks)
+    pol.state.p_hat_P[:] = rng.random(tr.n_blocks)
+    freq: dict[int, int] = {}
+
+    def value(ref, b, j, resident):
+        if kind == "lfu":
+            return int(pol.state.count_P[b])
+        if kind == "gd":
+            return ref.inflation + float(pol.state.p_hat_P[b]) * float(pol.costs.save_ms[j])
+        freq[b] = freq.get(b, 0) + 1 if resident else 1
+        return ref.inflation + freq[b] * float(pol.block_save_P[b])
+
+    sh, ref = ShadowPool(kind, 4, tr.n_blocks), RefKeyedPrefix(4, value)
     for blk in tr.blocks:
         blk = blk.tolist()
         hit = ref.lookup(blk)
@@ -395,7 +439,7 @@ def test_guard_shadow_has_the_real_timing(monkeypatch):
         for slack in (0.99, 0.0):
             events.clear()
             rec = engine.simulate(tr, "kvlearn_experts", cfg=cfg, cost=COST, slack=slack, **kw)
-            ref, hits, saved = RefLRUPrefix(8), {}, 0.0
+            ref, hits, saved = ref_lru(8), {}, 0.0
             for e in events:
                 if e[0] == "lookup":
                     hits[e[1]] = ref.lookup(reqs[e[1]])
