@@ -21,6 +21,7 @@ from jaxkv.kvlearn.serving.policies.kvlearn_experts import (
     guard,
     lead,
     penalise,
+    queued_behind,
     regret,
 )
 from jaxkv.kvlearn.serving.prefix import PrefixCache
@@ -535,3 +536,54 @@ def test_hyper_parameters_are_validated(tmp_path):
     assert pol.xcfg.experts == ("lfu", "gd") and pol.cfg.write_cost is False
     assert ExpertConfig() == ExpertConfig(experts=("gd", "gdsf", "lru", "lfu"), choice="shadow")
     assert "kvlearn_experts" in policies_lib.BLOCK_POLICIES
+
+
+def test_queued_behind_counts_the_later_arrivals_by_a_start():
+    arrival = [0.0, 1.0, 1.0, 2.0, 5.0]
+    assert [queued_behind(arrival, i, s) for i, s in enumerate([1.5, 2.0, 2.0, 4.0, 5.0])] == [
+        2,  # requests 1 and 2 arrived by 1.5
+        2,  # 2 and 3 (an arrival at the start itself waits)
+        1,
+        0,
+        0,
+    ]
+
+
+def test_queue_weight_weights_each_request_by_the_queue_behind_it(monkeypatch):
+    """The guard's full-TTFT sum with ``queue_weight`` c and ``size_power`` γ is Σ_i full_i ·
+    (1 + c · q_i) · full_i^γ, q_i counted from the run's own start times (brute force); with no
+    queue (requests 1000 s apart) c changes nothing, record for record."""
+    seen = []
+
+    class Keep(ExpertKVLearn):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            seen.append(self)
+
+    monkeypatch.setitem(policies_lib.REGISTRY, "kvlearn_experts", Keep)
+    reqs = _random_requests(4)
+    kw = dict(experts=("gd",), choice="guard", baselines=("mooncake", "lfu"), slack=0.0)
+    kw |= dict(predictor="logistic")
+    cfg = engine.ServingConfig(pool_blocks=8, prefill_nodes=1)
+    tr = _overlapping(reqs)
+    for c, power in ((0.5, 0.0), (0.5, 1.0), (0.0, 2.0)):
+        rec = engine.simulate(
+            tr, "kvlearn_experts", cfg=cfg, cost=COST, queue_weight=c, size_power=power, **kw
+        )
+        q = [int(np.sum(tr.time_s[i + 1 :] <= rec["start_s"][i])) for i in range(len(reqs))]
+        assert max(q) > 10  # one node, requests 2 ms apart: a long queue
+        pol = seen[-1]
+        want = sum(f * (1.0 + c * n) * f**power for f, n in zip(pol.full_ms, q, strict=True))
+        assert pol.xs.full == pytest.approx(want, rel=1e-12)
+    quiet = _trace(reqs)
+    runs = [
+        engine.simulate(quiet, "kvlearn_experts", cfg=cfg, cost=COST, queue_weight=c, **kw)
+        for c in (0.0, 0.5)
+    ]
+    assert runs[0].keys() == runs[1].keys()
+    for k in runs[0]:
+        np.testing.assert_array_equal(runs[0][k], runs[1][k])
+    with pytest.raises(ValueError, match="queue_weight must be"):
+        ExpertConfig(experts=("gd",), choice="guard", queue_weight=-1.0)
+    with pytest.raises(ValueError, match="size_power must be"):
+        ExpertConfig(experts=("gd",), choice="guard", size_power=math.nan)

@@ -84,6 +84,7 @@ and no setting meets the issue's bound in every cell (``docs/kvlearn.md``).
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 import heapq
@@ -153,6 +154,12 @@ class ExpertConfig:
             changes only when another's saving exceeds its by this fraction (hysteresis: a
             change makes the real pool migrate to another shadow's contents); 0: the best at
             every request.
+        queue_weight: (``"guard"``) > 0: each request's terms (what the real pool and each
+            shadow save, and its full TTFT) are weighted by 1 + queue_weight × q, q the
+            requests that arrived before it started and so wait behind it (a saving in a queue
+            shortens every wait behind it); 0: every request alike.
+        size_power: (``"guard"``) > 0: those terms are also weighted by the request's full
+            TTFT to this power (the tail of TTFT is made of the largest requests); 0: not.
     """
 
     experts: tuple[str, ...] = ("gd", "gdsf", "lru", "lfu")
@@ -167,6 +174,8 @@ class ExpertConfig:
     follow: bool = False
     window: float = 0.0
     base_margin: float = 0.0
+    queue_weight: float = 0.0
+    size_power: float = 0.0
 
     def __post_init__(self):
         bad = [e for e in self.experts if e not in EXPERTS]
@@ -183,6 +192,10 @@ class ExpertConfig:
             raise ValueError(
                 f"baselines must be distinct names from {tuple(BASELINES)}, got {self.baselines}"
             )
+        for name in ("queue_weight", "size_power"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"{name} must be ≥ 0, got {v}")
         if not (self.margin >= 0 and self.base_margin >= 0):
             raise ValueError(f"margins must be ≥ 0, got {self.margin}, {self.base_margin}")
         if not 0 <= self.slack < 1:
@@ -328,6 +341,8 @@ class ExpertKVLearn(BlockKVLearn):
             cost.transfer_ms(cost.footprint_bytes(n_tok)), np.float64
         )
         """[requests] a request's queue-free TTFT without a cache: R(n) + T(n) (ms)."""
+        self.arrival_s = trace.time_s.tolist()
+        """[requests] arrival times (s), in request order (``queue_weight``)."""
         # Memoryviews of the per-block arrays (the same memory; Python numbers, about twice as
         # fast as the arrays to read and write block by block) and the costs as lists.
         xs, st = self.xs, self.state
@@ -549,9 +564,14 @@ class ExpertKVLearn(BlockKVLearn):
         xs, x, saved_upto = self.xs, self.xcfg, self._saved_upto
         saved = saved_upto[hit]
         base = [saved_upto[sh.lookup(blocks, i, now)] for sh in self.shadows]
+        full = float(self.full_ms[i])
+        if x.queue_weight or x.size_power:
+            w = 1.0 + x.queue_weight * queued_behind(self.arrival_s, i, now)
+            w *= full**x.size_power
+            saved, base, full = saved * w, [b * w for b in base], full * w
         xs.saved_real += saved
         xs.saved_base_B += base
-        xs.full += float(self.full_ms[i])
+        xs.full += full
         if x.base_margin:  # hysteresis: each change of baseline costs follow evictions
             best = lead(xs.saved_base_B, xs.base, margin=x.base_margin)
         else:
@@ -563,11 +583,17 @@ class ExpertKVLearn(BlockKVLearn):
             g = 1.0 - 1.0 / x.window
             xs.recent_real = g * xs.recent_real + saved
             xs.recent_base_B = g * xs.recent_base_B + base
-            xs.recent_full = g * xs.recent_full + float(self.full_ms[i])
+            xs.recent_full = g * xs.recent_full + full
             recent = guard(xs.recent_real, xs.recent_base_B[best], xs.recent_full, slack=x.slack)
             back_off = back_off or recent
         xs.leader = 1 + best if back_off else 0
         xs.backoff_requests += back_off
+
+
+def queued_behind(arrival_s: list[float], i: int, start: float) -> int:
+    """Requests after request i that arrived by its start (``arrival_s`` sorted): the queue
+    behind it when it starts (FCFS)."""
+    return bisect.bisect_right(arrival_s, start, lo=i + 1) - i - 1
 
 
 def guard(saved_real: float, saved_base: float, full: float, *, slack: float) -> bool:
