@@ -169,6 +169,14 @@ PROTOCOL_GRID = {
         "baselines": ["mooncake", "cost_aware", "gdsf", "lfu", "s3fifo"],
         "slack": 0.0,
     },
+    "guard:moon+ca+gdsf,0%,q1": {  # session 28: savings weighted by the queue behind a request
+        "policy": "kvlearn_experts",
+        "experts": ["gd"],
+        "choice": "guard",
+        "baselines": ["mooncake", "cost_aware", "gdsf"],
+        "slack": 0.0,
+        "queue_weight": 1.0,
+    },
 }
 CONFIRM_SETTING = "guard:moon+ca+gdsf,0%"  # every fold of the fourth protocol run chose it
 GOAL_RATIO = 1.01  # the bound on KVLearn / best classical, mean and p99, per cell
