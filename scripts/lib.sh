@@ -54,10 +54,10 @@ domain_check() {  # OUT POLICIES: decode-protocol fidelity, global granularity, 
 }
 
 retrieval_runs() {  # OUT DATA_SEED GLOBAL_POLICIES [HEAD_POLICIES]: passkey and needle at
-  # 1K / 2K, r = 0.25, 8 prompts each, on data seed DATA_SEED, into OUT/retrieval_global (and,
-  # with HEAD_POLICIES, OUT/retrieval_head): the retrieval runs of every protocol since the
-  # recall rankers'. Finished runs are skipped.
-  local common=(--ratios 0.25 --limit 8 --data-seed "$2" --tasks passkey,needle
+  # 1K / 2K, r = 0.25, 8 prompts each (RETRIEVAL_LIMIT to change), on data seed DATA_SEED, into
+  # OUT/retrieval_global (and, with HEAD_POLICIES, OUT/retrieval_head): the retrieval runs of
+  # every protocol since the recall rankers'. Finished runs are skipped.
+  local common=(--ratios 0.25 --limit "${RETRIEVAL_LIMIT:-8}" --data-seed "$2" --tasks passkey,needle
     --lengths 1024,2048)
   evaluate retrieval "$1/retrieval_global" "${common[@]}" --granularity global --policies "$3"
   [[ -z ${4:-} ]] || evaluate retrieval "$1/retrieval_head" "${common[@]}" \
