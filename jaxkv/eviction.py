@@ -345,7 +345,15 @@ def adaptive_budgets(
     # a head's floor best are taken first, and its cap best are its candidates (its rows are
     # not sorted: each row's counts, all this returns, do not depend on where its ties sit)
     first = occupied & top_n_mask(s, floor_B[None, :, None, None])
-    within = top_n_mask(s, cap_B[None, :, None, None])
+    cap = cap_B[None, :, None, None]
+    # A row holding at most its cap has every occupied slot within it (what the mask would
+    # add beyond them is free, -inf, and changes nothing below): skip the mask, as during
+    # decoding, where a row exceeds its cap only by the tokens that arrived since eviction.
+    within = jax.lax.cond(
+        jnp.all(jnp.sum(occupied, axis=-1, keepdims=True) <= cap),
+        lambda: occupied,
+        lambda: top_n_mask(s, cap),
+    )
     cand = jnp.where(first, jnp.inf, jnp.where(within, s, -jnp.inf))
     best = top_n_mask(cand.reshape(L, B, K * C), (K * budget_B)[None, :, None])
     taken = occupied & (first | within) & best.reshape(L, B, K, C)

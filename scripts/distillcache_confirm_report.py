@@ -9,7 +9,8 @@ policies are not heuristics), and each learned row's KL over it with the number 
 8) where the learned row is below that heuristic's own KL, then over the best kvpress press.
 Runs that are missing are named, not skipped silently; ``--runs`` names the runs a protocol
 planned when it is not all of them (``scripts/distillcache_tier_wide.sh``: decode at global,
-head and layer, no kvpress).
+head and layer, no kvpress); ``<protocol>_<granularity>-<tag>`` runs add their ratios' cells to
+that granularity (``scripts/distillcache_periodic.sh``: one run per ratio).
 
     .venv/bin/python scripts/distillcache_confirm_report.py results/distillcache_confirm
 """
@@ -54,6 +55,7 @@ def read_runs(folder: Path, runs: list[str]) -> tuple[dict, list[str]]:
     cells, missing = {}, []
     for run in runs:
         proto, gran = run.split("_", 1)
+        gran = gran.split("-")[0]  # decode_global-r0.25: one ratio's run of a granularity
         path = folder / run / "fidelity.json"
         doc = json.loads(path.read_text()) if path.exists() else {}
         if not doc.get("complete"):

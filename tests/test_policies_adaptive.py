@@ -38,13 +38,16 @@ def _allocate(scores, pos, budget, floor, cap, **kw):
     )
 
 
-def test_allocation_equals_the_written_out_reference():
+@pytest.mark.parametrize("caps", [(10, 6), (15, 16)])
+def test_allocation_equals_the_written_out_reference(caps):
+    """Caps that bind, and caps no row exceeds (the allocation skips the cap's mask)."""
     rng = np.random.default_rng(0)
     L, B, K, C = 3, 2, 4, 16
     scores = rng.normal(size=(L, B, K, C)).astype(np.float32) * rng.uniform(0.1, 3, (L, B, K, 1))
     pos = np.where(rng.uniform(size=(L, B, K, C)) < 0.2, -1, 1).astype(np.int32)
     budget = np.array([5, 3], np.int32)
-    floor, cap = np.array([1, 0], np.int32), np.array([10, 6], np.int32)
+    floor, cap = np.array([1, 0], np.int32), np.array(caps, np.int32)
+    assert ((pos >= 0).sum(-1) <= cap[None, :, None]).all() == (caps == (15, 16))
     got = _allocate(scores, pos, budget, floor, cap)
     for l in range(L):
         for b in range(B):

@@ -89,6 +89,17 @@ def test_report_names_only_the_planned_runs(tmp_path):
     assert text.strip().endswith("Runs not (yet) complete: decode_layer.")
 
 
+def test_report_joins_one_run_per_ratio_into_its_granularity(tmp_path):
+    for r, (learned, heur) in {0.25: (0.4, 0.5), 0.125: (0.6, 0.8)}.items():
+        _fidelity(tmp_path / f"decode_global-r{r}", {("ranker:x", r): learned}, per_window=2)
+        _fidelity(tmp_path / f"decode_head-r{r}", {("h2o", r): heur}, per_window=2)
+    runs = ",".join(f"decode_{g}-r{r}" for g in ("global", "head") for r in (0.25, 0.125))
+    cmd = [sys.executable, SCRIPTS / "distillcache_confirm_report.py", tmp_path, "--runs", runs]
+    text = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    assert "| **ranker:x** | global | **0.4000** (0.80×, 2/2) | **0.6000** (0.75×, 2/2) |" in text
+    assert "| h2o | head |" in text and "not (yet) complete" not in text
+
+
 @pytest.mark.parametrize("mix", ["blend@0.25", "tier@0.05"])
 def test_a_blend_with_a_ranker_is_learned_and_one_of_heuristics_is_not(tmp_path, mix):
     blend = f"{mix}:ranker:x+critical:h2o"
