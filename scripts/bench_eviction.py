@@ -196,8 +196,9 @@ def main():
     print(report)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text(report)
-    out.with_suffix(".json").write_text(
+    # PATH.md, PATH.json: with_suffix would cut a name with a dot in it (cost_r0.25 -> cost_r0)
+    out.with_name(out.name + ".md").write_text(report)
+    out.with_name(out.name + ".json").write_text(
         json.dumps(
             dict(
                 args=vars(args),

@@ -154,6 +154,43 @@ def test_statistics_and_logits_equal_brute_force_after_evictions(granularity):
         _assert_stats_match(cache, ref)
 
 
+def _reference_drops(scores, pos, keep, max_drop, keep_rows):
+    """Each row's min(occupied - keep, max_drop) lowest-scored occupied slots, ties to the
+    lower slot, written out (+-0.0 compare equal, as in a sort by value)."""
+    drop = np.zeros(scores.shape, bool)
+    for row in np.ndindex(scores.shape[:-1]):
+        occupied = [c for c in range(scores.shape[-1]) if pos[row][c] >= 0]
+        n = 0 if keep_rows[row] else max(len(occupied) - keep[row], 0)
+        order = sorted(occupied, key=lambda c: (scores[row][c], c))
+        drop[row][order[: min(n, max_drop)]] = True
+    return drop
+
+
+@pytest.mark.parametrize("max_drop", [1, 3, eviction._TOP_K_DROPS + 1, 200])
+def test_drop_mask_frees_each_rows_lowest_slots_as_written_out(max_drop):
+    """Both ways of taking the candidates (lax.top_k up to _TOP_K_DROPS, a bisection above)
+    against the reference: ties everywhere (+-0.0 among them), free slots, per-row budgets,
+    rows that keep everything, rows asked to drop more than max_drop."""
+    rng = np.random.default_rng(7)
+    L, B, K, C = 2, 2, 3, 150
+    scores = rng.choice(np.float32([-0.0, 0.0, 0.5, 2.0, -1.0]), size=(L, B, K, C))
+    scores[0, 0, 0] = rng.normal(size=C)  # one row without ties
+    pos = np.where(rng.uniform(size=(L, B, K, C)) < 0.3, -1, 1).astype(np.int32)
+    keep = rng.integers(0, 120, size=(L, B, K)).astype(np.int32)
+    keep_rows = np.zeros((L, B, K), bool)
+    keep_rows[1, 1, 2] = True
+    got = eviction.drop_mask(
+        jnp.asarray(scores),
+        jnp.asarray(pos),
+        jnp.asarray(keep),
+        max_drop=max_drop,
+        keep_rows=jnp.asarray(keep_rows),
+    )
+    want = _reference_drops(scores, pos, keep, max_drop, keep_rows)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    assert max_drop == 200 or (want.sum(-1) == max_drop).any()  # the bound binds in a row
+
+
 def test_sliding_window_positions_stay_right_after_eviction():
     comp = Compression.make("streaming_llm", ratio=0.5, min_budget=4)
     for logits, ref_logits, _, _ in _run_with_reference(comp, CFG.replace(sliding_window=6)):
