@@ -10,17 +10,8 @@ py=${PYTHON:-.venv/bin/python}
 source scripts/lib.sh
 out=${OUT:-results/distillcache_periodic}
 peak=ranker:ranker_peak_tier_smollm2_cpu
-heuristics=critical:h2o,h2o,tova,snapkv
 runs() {  # DIR TAG FLAGS...: the three granularities' runs of one setting into DIR
-  local dir=$1 tag=$2 text
-  shift 2
-  text=$(bbh_text)
-  local fresh=(--text "$text" --heldout 0.1875 --limit 8 --window 384 --prompt-len 256
-    --protocol decode "$@")
-  evaluate fidelity "$dir/decode_global$tag" "${fresh[@]}" --granularity global --policies "$peak"
-  evaluate fidelity "$dir/decode_head$tag" "${fresh[@]}" --granularity head \
-    --policies "$peak,$heuristics"
-  evaluate fidelity "$dir/decode_layer$tag" "${fresh[@]}" --granularity layer --policies critical:h2o
+  decode_runs "$1" "$2" 0.1875 "$peak" "$peak" "${@:3}"
 }
 case "${1:-}" in
   heldout)

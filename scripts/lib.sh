@@ -85,18 +85,25 @@ bbh_text() {  # the held-out domain's (BIG-Bench Hard) text, written once; print
   echo "$text"
 }
 
+decode_runs() {  # OUT TAG OFFSET GLOBAL_POLICIES HEAD_EXTRA FLAGS...: decode-protocol
+  # fidelity on 8 BIG-Bench Hard windows at --heldout OFFSET into OUT/decode_<granularity>TAG:
+  # GLOBAL_POLICIES at global, HEAD_EXTRA (may be empty) and the decode heuristics per head,
+  # critical:h2o per layer; FLAGS (ratios, --evict-every) go to every run.
+  local out=$1 tag=$2 text
+  text=$(bbh_text)
+  local fresh=(--text "$text" --heldout "$3" --limit 8 --window 384 --prompt-len 256
+    --protocol decode "${@:6}")
+  evaluate fidelity "$out/decode_global$tag" "${fresh[@]}" --granularity global --policies "$4"
+  evaluate fidelity "$out/decode_head$tag" "${fresh[@]}" --granularity head \
+    --policies "${5:+$5,}critical:h2o,h2o,tova,snapkv"
+  evaluate fidelity "$out/decode_layer$tag" "${fresh[@]}" --granularity layer \
+    --policies critical:h2o
+}
+
 decode_heldout() {  # OUT POLICIES [OFFSET]: the decode protocols' held-out run (results/
   # distillcache_tier_wide/PROTOCOL.md, distillcache_blend_decode/PROTOCOL.md and
-  # distillcache_peak/PROTOCOL.md): fidelity on the BIG-Bench Hard windows at --heldout OFFSET
-  # (default 0.125), decode protocol, r = 0.25 and 0.125, POLICIES at global and the
-  # heuristics per head and per layer, then the table (OUT/tables.md).
-  local out=$1 text
-  text=$(bbh_text)
-  local fresh=(--text "$text" --heldout "${3:-0.125}" --limit 8 --window 384 --prompt-len 256
-    --protocol decode --ratios 0.25,0.125)
-  evaluate fidelity "$out/decode_global" "${fresh[@]}" --granularity global --policies "$2"
-  evaluate fidelity "$out/decode_head" "${fresh[@]}" --granularity head \
-    --policies critical:h2o,h2o,tova,snapkv
-  evaluate fidelity "$out/decode_layer" "${fresh[@]}" --granularity layer --policies critical:h2o
-  "$py" scripts/distillcache_confirm_report.py "$out" --runs decode_global,decode_head,decode_layer
+  # distillcache_peak/PROTOCOL.md): decode_runs at --heldout OFFSET (default 0.125), r = 0.25
+  # and 0.125, POLICIES at global, then the table (OUT/tables.md).
+  decode_runs "$1" "" "${3:-0.125}" "$2" "" --ratios 0.25,0.125
+  "$py" scripts/distillcache_confirm_report.py "$1" --runs decode_global,decode_head,decode_layer
 }
