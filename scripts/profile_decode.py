@@ -21,6 +21,7 @@ Markdown tables that ``results/profile_decode.md`` quotes):
     .venv/bin/python scripts/profile_decode.py compare [--reps 9]
     .venv/bin/python scripts/profile_decode.py parity --dtype out-first   # max |dlogit|
     .venv/bin/python scripts/profile_decode.py pvlayout --reps 21   # values slots-last?
+    .venv/bin/python scripts/profile_decode.py stats --batch 8 [--stat-cache 1040,1105,65]
 
 ``--dtype int8`` does the same for the int8-weight model (``jaxkv.model.weights_int8``):
 "old" is then the int8 path before "After int8 weights" (``_old_int8_*``: qwix QArrays in
@@ -29,7 +30,9 @@ picks the rows. ``--dtype out-first`` compares float32 weights in the canonical 
 ("old") with the same weights stored output channels first (``weights_int8.transpose_params``,
 "new"), both through the library's decoder. ``pvlayout`` times p.v alone over all layers
 with the values as the cache stores them (slots before the head dimension) against a
-slots-last layout (fused matrix-vector loops, as q.k), in turns.
+slots-last layout (fused matrix-vector loops, as q.k), in turns. ``stats`` times fused
+decode loops whose caches carry no statistics, the policy's (all six by default) and H2O's,
+with the library's statistics path and the one before session 30 (``s29:``), in turns.
 """
 
 from __future__ import annotations
@@ -612,6 +615,48 @@ def attention_share(model, kv_dtype, rows, reps):
     return out
 
 
+class FusedDecoder:
+    """``steps`` decode steps in one program (as a compressed call between evictions runs
+    them), batch ``batch``, ``slots`` occupied of ``capacity``; each step frees the slot it
+    wrote, so the cache stays in its state. Times are per decode step."""
+
+    def __init__(self, model, batch, slots, capacity, steps, stats):
+        cfg, params = model.config, model.params
+        tok = jnp.zeros((batch,), jnp.int32)
+
+        def step(_, c):
+            c = decoder.decode_step(params, tok, c, config=cfg)[1]
+            newest = c.pos == (c.length - 1)[None, :, None, None]
+            return c.replace(pos=jnp.where(newest, kvcache.FREE, c.pos), length=c.length - 1)
+
+        self.fn = jax.jit(lambda c: jax.lax.fori_loop(0, steps, step, c), donate_argnums=0)
+        self.cache = filled_cache(cfg, batch, slots, stats, extra=capacity - slots)
+        self.steps = steps
+        self()
+
+    def __call__(self):
+        self.cache = jax.block_until_ready(self.fn(self.cache))
+
+
+def stats_cost(model, batch, slots, capacity, steps, stat_sets, reps):
+    """ms per decode step of fused loops whose caches carry each statistic set (name ->
+    names; ``()`` none), with the library's statistics and (``s29:`` rows) the path before
+    session 30 (``stats.MAX_SLAB`` = 0: one product per weight channel, each statistic its own
+    fusion), in turns: {row: (median ms, median of paired ms over the ``none`` row)}."""
+    fns = {}
+    for name, names in stat_sets.items():
+        fns[name] = FusedDecoder(model, batch, slots, capacity, steps, names)
+        if names:
+            with _patched(attn_stats, "MAX_SLAB", 0):  # one product per channel, as before
+                fns[f"s29:{name}"] = FusedDecoder(model, batch, slots, capacity, steps, names)
+    t = {k: [x / steps for x in v] for k, v in in_turns(fns, reps).items()}
+    base = next(k for k, names in stat_sets.items() if not names)
+    return {
+        k: (1e3 * _med(v), 1e3 * _med([a - b for a, b in zip(v, t[base], strict=True)]))
+        for k, v in t.items()
+    }
+
+
 def _pv_slots_first(p_LBKGC, v_LBKCH):
     """p.v over every layer as the library computes it: values ``[B, K, C, H]`` (slots
     before the head dimension), widened to float32 and one batched dot."""
@@ -761,6 +806,7 @@ def main():
             "kvcompare",
             "attnshare",
             "pvlayout",
+            "stats",
         ],
     )
     ap.add_argument("--batch", type=int, default=1)
@@ -783,6 +829,18 @@ def main():
     )
     ap.add_argument(
         "--prefill", type=_rows, default=PREFILL_ROWS, help="``compare``: B:N,... ('' for none)"
+    )
+    ap.add_argument(
+        "--stat-cache",
+        type=lambda t: tuple(int(x) for x in t.split(",")),
+        default=(1040, 1105, 65),
+        help="``stats``: SLOTS,CAPACITY,STEPS (default: batch 8 x 4K at r = 0.25, k = 65)",
+    )
+    ap.add_argument(
+        "--stat-names",
+        type=lambda t: tuple(t.split(",")),
+        default=kvcache.STAT_NAMES,
+        help="``stats``: the statistics the policy row carries (default: all six)",
     )
     ap.add_argument("--out", type=Path, help="``all``: also write the Markdown report here")
     args = ap.parse_args()
@@ -822,6 +880,15 @@ def main():
                 f"batch {b} context {ctx}: {w:.1f} ms, without cache attention {wo:.1f} ms,"
                 f" attention {d:.1f} ms ({100 * d / w:.0f} %)"
             )
+        print(open("/proc/loadavg").read().strip())
+    elif args.what == "stats":
+        print(open("/proc/loadavg").read().strip())
+        slots, capacity, steps = args.stat_cache
+        sets = {"none": (), "policy": args.stat_names, "h2o": ("attn_cum",)}
+        rows = stats_cost(model, args.batch, slots, capacity, steps, sets, args.reps)
+        print(f"batch {args.batch}, {slots} of {capacity} slots, {steps} fused steps; ms/step")
+        for k, (ms, d) in rows.items():
+            print(f"{k:14s} {ms:7.2f}  statistics {d:+6.2f} ({100 * d / ms:5.1f} % of the step)")
         print(open("/proc/loadavg").read().strip())
     elif args.what == "pvlayout":
         print(open("/proc/loadavg").read().strip())

@@ -154,6 +154,34 @@ def test_statistics_and_logits_equal_brute_force_after_evictions(granularity):
         _assert_stats_match(cache, ref)
 
 
+@pytest.mark.parametrize("max_slab", [stats.MAX_SLAB, 0])
+@pytest.mark.parametrize(
+    "names", [kvcache.STAT_NAMES, ("attn_sq",), ("recent", "attn"), ("vnorm",)]
+)
+def test_decode_contributions_equal_each_channels_product_bit_for_bit(names, max_slab, monkeypatch):
+    """One query per row (decode), one of them padding, with and without the slab: every
+    statistic equals the mean over heads of probability x its channel's weight (x the entropy
+    for recent_ent), squared after for attn_sq, as the general path defines them, to the last
+    bit."""
+    monkeypatch.setattr(stats, "MAX_SLAB", max_slab)
+    rng = np.random.default_rng(3)
+    B, K, G, S = 3, 2, 3, 7
+    parts = [jax.nn.softmax(jnp.asarray(rng.normal(size=(B, K, G, 1, n))), axis=-1) for n in (S, 1)]
+    pos_BT = jnp.array([[9], [-1], [4]], jnp.int32)
+    w = stats.query_weights(pos_BT, window=5)
+    got = stats.contributions(parts, w, names)
+    ent = sum(stats.entropy(p) for p in parts)
+    for p, out in zip(parts, got, strict=True):
+        assert set(out) == {n for n in names if n != "vnorm"}
+        for n in out:
+            c = {"attn": 0, "attn_sq": 0, "attn_cum": 1, "recent": 2, "recent_ent": 2}[n]
+            wq = w[:, None, None, :, c] * (ent if n == "recent_ent" else 1.0)
+            m = p[:, :, :, 0] * wq[..., 0, None]
+            want = stats._mean_over_heads(m**2 if n == "attn_sq" else m)
+            np.testing.assert_array_equal(np.asarray(out[n]), np.asarray(want), err_msg=n)
+            assert not np.any(np.asarray(out[n])[1])  # the padding query adds nothing
+
+
 def _reference_drops(scores, pos, keep, max_drop, keep_rows):
     """Each row's min(occupied - keep, max_drop) lowest-scored occupied slots, ties to the
     lower slot, written out (+-0.0 compare equal, as in a sort by value)."""
