@@ -101,8 +101,9 @@ def contributions(p_parts, w_BT3: jax.Array, names=STAT_NAMES) -> tuple[dict, ..
 
 
 def _part_contributions(p_BKGTS, w_BT3, entropy_BKGT, names) -> dict:
-    if p_BKGTS.shape[3] == 1:
-        return _decode_contributions(p_BKGTS[:, :, :, 0], w_BT3[:, 0], entropy_BKGT, names)
+    B, K, _, T, S = p_BKGTS.shape
+    if T == 1 and len(names) > 1 and B * K * S <= MAX_SLAB:
+        return _decode_slab(p_BKGTS[:, :, :, 0], w_BT3[:, 0], entropy_BKGT, names)
     per_head = {}  # channel -> [B, K, G, S]: sum over queries of weight * probability
 
     def summed(c):
@@ -111,7 +112,10 @@ def _part_contributions(p_BKGTS, w_BT3, entropy_BKGT, names) -> dict:
             w_BKGT = jnp.broadcast_to(w_BT[:, None, None], p_BKGTS.shape[:4])
             if c == _RECENT_ENT:
                 w_BKGT = w_BKGT * entropy_BKGT
-            per_head[c] = jnp.einsum("bkgts,bkgt->bkgs", p_BKGTS, w_BKGT)
+            if T == 1:  # decode: a broadcast product, much cheaper on CPU
+                per_head[c] = p_BKGTS[:, :, :, 0] * w_BKGT[..., 0, None]
+            else:
+                per_head[c] = jnp.einsum("bkgts,bkgt->bkgs", p_BKGTS, w_BKGT)
         return per_head[c]
 
     out = {}
@@ -121,45 +125,33 @@ def _part_contributions(p_BKGTS, w_BT3, entropy_BKGT, names) -> dict:
     return out
 
 
-# Above this many [B, K, S] elements per statistic, the decode statistics are left to XLA's
-# fusion (``_decode_contributions``).
+# Up to this many [B, K, S] elements per statistic, a decode step's statistics are one slab
+# (``_decode_slab``); above it they are left to XLA's fusion.
 MAX_SLAB = 32768
 
 
-def _decode_contributions(p_BKGS, w_B3, entropy_BKGT, names) -> dict:
-    """``_part_contributions`` of one query (decode). Its final, real and recent weights are
-    all its validity (1, or 0 for padding; ``lam^0`` = 1), so ``attn``, ``attn_cum`` and
-    ``recent`` share one contribution: with ``attn_sq`` and ``recent_ent`` at most three
-    distinct [B, K, S] arrays. Up to ``MAX_SLAB`` elements each, and when more than one
-    statistic reads them, they are computed as one slab behind an optimization barrier:
-    XLA:CPU otherwise fuses the products into every statistic's update and reads ``p`` once
-    per statistic. Measured with all six statistics in fused decode loops, paired in turns
-    (``scripts/profile_decode.py stats``): batch 8 x 1105 slots 0.33-0.71x the statistics'
-    time (five runs); 8 x 552 and 1 x 4160 no difference; 8 x 2145 (above the bound)
-    1.3-1.5x, so larger rows keep one product per weight channel as before. The values are
-    the same either way, bit for bit."""
-    B, K, G, S = p_BKGS.shape
-    if len(names) <= 1 or B * K * S > MAX_SLAB:
-        per_channel, out = {}, {}
-        for n in names:
-            c = _CHANNEL[n]
-            if c not in per_channel:
-                w_B111 = w_B3[:, min(c, _RECENT), None, None, None]
-                per_channel[c] = p_BKGS * (w_B111 * entropy_BKGT if c == _RECENT_ENT else w_B111)
-            m = per_channel[c]
-            out[n] = _mean_over_heads(m**2 if n == "attn_sq" else m)
-        return out
-    product = {
-        "base": lambda: p_BKGS,
+def _decode_slab(p_BKGS, w_B3, entropy_BKGT, names) -> dict:
+    """``_part_contributions`` of one query (decode) for more than one statistic. Its final,
+    real and recent weights are all its validity (1, or 0 for padding; ``lam^0`` = 1), so
+    ``attn``, ``attn_cum`` and ``recent`` share one contribution: with ``attn_sq`` and
+    ``recent_ent`` at most three distinct [B, K, S] arrays, computed as one slab behind an
+    optimization barrier. XLA:CPU otherwise fuses the products into every statistic's update
+    and reads ``p`` once per statistic. Measured with all six statistics in fused decode
+    loops, paired in turns (``scripts/profile_decode.py stats``): batch 8 x 1105 slots
+    0.33-0.71x the statistics' time (five runs); 8 x 552 and 1 x 4160 no difference; 8 x 2145
+    (above ``MAX_SLAB``) 1.3-1.5x, so larger rows keep one product per weight channel. The
+    values are the same either way, bit for bit."""
+    kind = {"attn_sq": "sq", "recent_ent": "ent"}
+    products = {
+        "p": lambda: p_BKGS,
         "sq": lambda: p_BKGS**2,
-        "ent": lambda: p_BKGS * entropy_BKGT,
+        "ent": lambda: p_BKGS * entropy_BKGT[..., 0, None],
     }
-    kinds = {"attn_sq": "sq", "recent_ent": "ent"}
-    used = list(dict.fromkeys(kinds.get(n, "base") for n in names))
+    used = list(dict.fromkeys(kind.get(n, "p") for n in names))
     w_B11 = w_B3[:, _VALID, None, None]
-    slab = jnp.stack([_mean_over_heads(product[u]()) * w_B11 for u in used])
+    slab = jnp.stack([_mean_over_heads(products[u]()) * w_B11 for u in used])
     slab = jax.lax.optimization_barrier(slab)
-    return {n: slab[used.index(kinds.get(n, "base"))] for n in names}
+    return {n: slab[used.index(kind.get(n, "p"))] for n in names}
 
 
 # Statistics that add a pass's contribution to their old value (the others are replaced).
