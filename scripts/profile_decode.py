@@ -618,19 +618,21 @@ def attention_share(model, kv_dtype, rows, reps):
 class FusedDecoder:
     """``steps`` decode steps in one program (as a compressed call between evictions runs
     them), batch ``batch``, ``slots`` occupied of ``capacity``; each step frees the slot it
-    wrote, so the cache stays in its state. Times are per decode step."""
+    wrote, so the cache stays in its state; each feeds its logits' greedy token to the next
+    (unused logits would let XLA drop the vocabulary projection). Times are per decode step."""
 
     def __init__(self, model, batch, slots, capacity, steps, stats):
         cfg, params = model.config, model.params
-        tok = jnp.zeros((batch,), jnp.int32)
 
-        def step(_, c):
-            c = decoder.decode_step(params, tok, c, config=cfg)[1]
+        def step(_, ct):
+            logits, c = decoder.decode_step(params, ct[1], ct[0], config=cfg)
             newest = c.pos == (c.length - 1)[None, :, None, None]
-            return c.replace(pos=jnp.where(newest, kvcache.FREE, c.pos), length=c.length - 1)
+            c = c.replace(pos=jnp.where(newest, kvcache.FREE, c.pos), length=c.length - 1)
+            return c, jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
-        self.fn = jax.jit(lambda c: jax.lax.fori_loop(0, steps, step, c), donate_argnums=0)
-        self.cache = filled_cache(cfg, batch, slots, stats, extra=capacity - slots)
+        self.fn = jax.jit(lambda ct: jax.lax.fori_loop(0, steps, step, ct), donate_argnums=0)
+        cache = filled_cache(cfg, batch, slots, stats, extra=capacity - slots)
+        self.cache = (cache, jnp.zeros((batch,), jnp.int32))
         self.steps = steps
         self()
 

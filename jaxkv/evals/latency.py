@@ -5,8 +5,8 @@ For each ratio a prompt batch of ``--context`` tokens is prefilled and evicted t
 timed separately on that cache (medians over ``--repeats`` × ``STEPS_PER_REPEAT`` calls, after a
 warm-up call that compiles):
 
-* ``attn_ms``: one decode step (the whole model: projections, attention over the cache, MLP)
-  on a cache without statistics — what the step costs at that cache size;
+* ``attn_ms``: one decode step (the whole model: projections, attention over the cache, MLP,
+  logits) on a cache without statistics — what the step costs at that cache size;
 * ``feature_ms``: the same step with the in-attention statistics the policy reads
   (``Policy.stats``), minus ``attn_ms``;
 * ``policy_ms``: the policy's scoring (for learned policies: building the five features from
@@ -82,10 +82,13 @@ def _prefill(params, prompt_BT, cache, key, state, *, config, compression, capac
 @functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("cache",))
 def _decode_and_forget(params, token_B, cache, *, config):
     """One decode step on a donated cache (written in place, not copied), then the slot it
-    wrote freed again, so that repeated calls time the same step at the same cache size."""
-    cache = decoder.decode_step(params, token_B, cache, config=config)[1]
+    wrote freed again, so that repeated calls time the same step at the same cache size.
+    Returns the cache and the logits' greedy token (the logits are part of the step: unused,
+    XLA would drop the vocabulary projection)."""
+    logits, cache = decoder.decode_step(params, token_B, cache, config=config)
     newest = cache.pos == (cache.length - 1)[None, :, None, None]
-    return cache.replace(pos=jnp.where(newest, kvcache.FREE, cache.pos), length=cache.length - 1)
+    cache = cache.replace(pos=jnp.where(newest, kvcache.FREE, cache.pos), length=cache.length - 1)
+    return cache, jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
 @functools.partial(jax.jit, static_argnames=("compression",))
@@ -119,11 +122,11 @@ def step_ms(params, cache, *, config, repeats: int, stats=()) -> float:
     """Median ms of a decode step on ``cache`` carrying only the statistics ``stats``."""
     token = jnp.zeros((cache.batch_size,), jnp.int32)
     lean = jax.tree.map(jnp.copy, cache.replace(stats={n: cache.stats[n] for n in stats}))
-    box = [lean]  # each call donates the cache the last one returned
+    box = [lean, token]  # each call donates the cache the last one returned
 
     def step():
-        box[0] = _decode_and_forget(params, token, box[0], config=config)
-        return box[0].pos
+        box[:] = _decode_and_forget(params, box[1], box[0], config=config)
+        return box[1]
 
     return median_ms(step, repeats=repeats)
 
