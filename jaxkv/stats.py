@@ -154,6 +154,10 @@ def _decode_slab(p_BKGS, w_B3, entropy_BKGT, names) -> dict:
     return {n: slab[used.index(kind.get(n, "p"))] for n in names}
 
 
+# The statistics computed from attention probabilities (``contributions``); ``vnorm`` and
+# ``wo_vnorm`` are written once with their token.
+ATTENTION_STATS = tuple(_CHANNEL)
+
 # Statistics that add a pass's contribution to their old value (the others are replaced).
 ACCUMULATING = ("attn_cum", "recent", "recent_ent")
 

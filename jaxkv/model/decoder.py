@@ -242,14 +242,16 @@ def extend(
     weights = attn_stats.query_weights(pos_BT, cache.window) if cache.stats else None
     names = tuple(cache.stats)
     n_queries_B = jnp.full((tokens_BT.shape[0],), T)
-    # Only the accumulating statistics are read back; each layer merges its own slice inside
-    # the scan, so every statistic array is streamed once (twice when it accumulates).
-    acc = {n: a for n, a in cache.stats.items() if n in attn_stats.ACCUMULATING}
+    # The attention statistics ride in the scan's carry: each layer reads its slice of the
+    # accumulating ones and writes its merged slice back in place, so no statistic array is
+    # allocated, zeroed or copied per step (as scan outputs they were, at every step).
+    carried = {n: a for n, a in cache.stats.items() if n in attn_stats.ATTENTION_STATS}
     q_weights = attn_stats.query_moment_weights(pos_BT) if cache.query_stats else None
     q_acc = {n: a for n, a in cache.query_stats.items() if n != "weight"}
 
-    def layer(x, xs):
-        lp, cached, acc_l, q_acc_l = xs
+    def layer(carry, xs):
+        x, stats = carry
+        i, lp, cached, q_acc_l = xs
         q, k, v, q_pre = _projections(lp, x, pos_BT, config)
         attn, p_cache, p_new = _cached_attention(q, k, v, pos_BT, cached, config)
         x = _finish_layer(lp, x, attn, config)
@@ -258,16 +260,19 @@ def extend(
             new_moments = attn_stats.query_moments(q_pre, q_weights, config.n_kv_heads)
             moments = attn_stats.merge_query_moments(q_acc_l, new_moments)
         if weights is None:
-            return x, (k, v, None, None, moments)
+            return (x, stats), (k, v, None, moments)
         old, new = attn_stats.contributions((p_cache, p_new), weights, names)
+        acc_l = {n: stats[n][i] for n in old if n in attn_stats.ACCUMULATING}
         merged = attn_stats.merge(acc_l, old, n_queries_B=n_queries_B, window=cache.window)
+        put = jax.lax.dynamic_update_index_in_dim
+        stats = {**stats, **{n: put(stats[n], m, i, 0) for n, m in merged.items()}}
         new.update(_value_stats(lp, v, names))
-        return x, (k, v, merged, new, moments)
+        return (x, stats), (k, v, new, moments)
 
     cached = (cache.k, cache.v, cache.pos, cache.k_scale, cache.v_scale)
-    xs = (params["layers"], cached, acc, q_acc)
-    x, (ks, vs, merged, new_stats, moments) = jax.lax.scan(
-        layer, _embed(params, tokens_BT, config), xs
+    xs = (jnp.arange(config.n_layers), params["layers"], cached, q_acc)
+    (x, merged), (ks, vs, new_stats, moments) = jax.lax.scan(
+        layer, (_embed(params, tokens_BT, config), carried), xs
     )
     if weights is not None:
         cache = cache.replace(stats={**cache.stats, **merged})
