@@ -55,6 +55,7 @@ import jax.numpy as jnp
 
 import jaxkv
 from jaxkv import eviction, kvcache
+from jaxkv.evals import latency
 from jaxkv.eviction import Compression
 from jaxkv.model import decoder
 
@@ -165,9 +166,7 @@ def main():
         return jax.jit(step, donate_argnums=0)
 
     def decode_and_forget(ct):
-        c, t = decode(ct)
-        newest = c.pos == (c.length - 1)[None, :, None, None]
-        return c.replace(pos=jnp.where(newest, kvcache.FREE, c.pos), length=c.length - 1), t
+        return latency.decode_and_forget(params, ct[1], ct[0], config=cfg)
 
     plain = jax.jit(decode_and_forget, donate_argnums=0)
     k = args.evict_every

@@ -59,6 +59,7 @@ import qwix
 import jaxkv
 from jaxkv import kvcache
 from jaxkv import stats as attn_stats
+from jaxkv.evals import latency
 from jaxkv.model import decoder, layers, weights_int8
 from jaxkv.model.params import PARAM_AXES
 
@@ -625,10 +626,7 @@ class FusedDecoder:
         cfg, params = model.config, model.params
 
         def step(_, ct):
-            logits, c = decoder.decode_step(params, ct[1], ct[0], config=cfg)
-            newest = c.pos == (c.length - 1)[None, :, None, None]
-            c = c.replace(pos=jnp.where(newest, kvcache.FREE, c.pos), length=c.length - 1)
-            return c, jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            return latency.decode_and_forget(params, ct[1], ct[0], config=cfg)
 
         self.fn = jax.jit(lambda ct: jax.lax.fori_loop(0, steps, step, ct), donate_argnums=0)
         cache = filled_cache(cfg, batch, slots, stats, extra=capacity - slots)

@@ -79,16 +79,22 @@ def _prefill(params, prompt_BT, cache, key, state, *, config, compression, capac
     return cache
 
 
-@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("cache",))
-def _decode_and_forget(params, token_B, cache, *, config):
-    """One decode step on a donated cache (written in place, not copied), then the slot it
-    wrote freed again, so that repeated calls time the same step at the same cache size.
-    Returns the cache and the logits' greedy token (the logits are part of the step: unused,
-    XLA would drop the vocabulary projection)."""
+def decode_and_forget(params, token_B, cache, *, config):
+    """One decode step, then the slot it wrote freed again, so that repeated calls time the
+    same step at the same cache size. Returns the cache and the logits' greedy token (the
+    logits are part of the step: unused, XLA would drop the vocabulary projection).
+    ``scripts/bench_eviction.py`` and ``scripts/profile_decode.py`` time the same step inside
+    their fused loops."""
     logits, cache = decoder.decode_step(params, token_B, cache, config=config)
     newest = cache.pos == (cache.length - 1)[None, :, None, None]
     cache = cache.replace(pos=jnp.where(newest, kvcache.FREE, cache.pos), length=cache.length - 1)
     return cache, jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+# The step on a donated cache (written in place, not copied).
+_decode_and_forget = jax.jit(
+    decode_and_forget, static_argnames=("config",), donate_argnames=("cache",)
+)
 
 
 @functools.partial(jax.jit, static_argnames=("compression",))

@@ -274,8 +274,7 @@ def extend(
     (x, merged), (ks, vs, new_stats, moments) = jax.lax.scan(
         layer, (_embed(params, tokens_BT, config), carried), xs
     )
-    if weights is not None:
-        cache = cache.replace(stats={**cache.stats, **merged})
+    cache = cache.replace(stats={**cache.stats, **merged})  # nothing merged without statistics
     if q_weights is not None:
         weight = cache.query_stats["weight"] + jnp.sum(q_weights, axis=1)
         cache = cache.replace(query_stats={"weight": weight, **moments})
