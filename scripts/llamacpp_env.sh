@@ -17,11 +17,16 @@ if [ ! -f "$stamp" ]; then
   start=$SECONDS
   [ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
   "$venv/bin/python" -m pip install -q --upgrade pip
-  # GGML_NATIVE: the same -march=native code a user building llama.cpp here would get.
-  CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF -DGGML_CUDA=OFF -DGGML_BLAS=OFF" \
+  # GGML_NATIVE: the same -march=native code a user building llama.cpp here would get, except
+  # AMX: on a VM whose CPU advertises it (Sapphire Rapids, session 32) the Q8_0 matmul's first
+  # `tileloadd` died with SIGILL, so the tile instructions are never compiled in (jaxkv does
+  # not use AMX either). --force-reinstall: a changed script rebuilds over an older build.
+  no_amx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+  CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF -DGGML_CUDA=OFF -DGGML_BLAS=OFF \
+-DCMAKE_C_FLAGS='$no_amx' -DCMAKE_CXX_FLAGS='$no_amx'" \
     CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} \
-    "$venv/bin/python" -m pip install -q --no-cache-dir --no-binary llama-cpp-python \
-    "llama-cpp-python==$version" numpy
+    "$venv/bin/python" -m pip install -q --no-cache-dir --force-reinstall \
+    --no-binary llama-cpp-python "llama-cpp-python==$version" numpy
   "$venv/bin/python" -c "import llama_cpp; print('llama_cpp', llama_cpp.__version__)"
   echo "llamacpp_env: $venv built in $((SECONDS - start)) s, $(du -sh "$venv" | cut -f1)"
   touch "$stamp"

@@ -16,6 +16,7 @@ import jaxkv
 from jaxkv.cli import eval as eval_lib
 from jaxkv.cli import suite
 from jaxkv.evals import report, runner
+from jaxkv.model import loading
 from jaxkv.policies import learned as learned_lib
 
 TINY = ["--model", "tiny", "--min-budget", "8", "--batch", "2"]
@@ -266,6 +267,33 @@ def test_generate_compression_defaults():
     assert comp == {"policy": "snapkv", "ratio": 0.25, "budget": None}
     comp = eval_lib.generate_compression(parse("--policy", "h2o", "--budget", "64"))
     assert comp["ratio"] is None and comp["budget"] == 64
+
+
+@pytest.mark.parametrize(
+    "flags, n_prompts, out_first",
+    [
+        ([], 1, True),  # auto: one prompt decodes at batch 1, where out-first is faster
+        ([], 2, False),
+        (["--weight-layout", "canonical"], 1, False),
+        (["--weight-layout", "out-first"], 2, True),
+    ],
+)
+def test_generate_picks_the_weight_layout_by_batch(flags, n_prompts, out_first, monkeypatch):
+    seen = {}
+
+    def load(name, **kwargs):
+        seen.update(kwargs)
+        raise OSError("stop after the load")
+
+    monkeypatch.setattr(jaxkv, "load", load)
+    prompts = [a for i in range(n_prompts) for a in ("--prompt", f"p{i}")]
+    assert eval_lib.main(["generate", *prompts, *flags]) == 2
+    assert seen == {"dtype": "float32", "out_first": out_first}
+
+
+def test_out_first_for_rejects_an_unknown_layout():
+    with pytest.raises(ValueError, match="weight layout must be one of"):
+        loading.out_first_for("rows-first", batch_size=1)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from jaxkv.cli import kvlearn as kvlearn_cli
 from jaxkv.evals import runner
 from jaxkv.evals.fidelity import KV_DTYPES
 from jaxkv.eviction import GRANULARITIES, PROTOCOLS, Compression
+from jaxkv.model import loading
 from jaxkv.policies import needs_window, policy_names
 
 PROG = "python -m jaxkv.eval"
@@ -95,7 +96,8 @@ def _generate(args: argparse.Namespace) -> int:
 def _generate_cmd(args: argparse.Namespace) -> int:
     compression = generate_compression(args)
     t0 = time.perf_counter()
-    model = jaxkv.load(args.model, dtype=args.dtype)
+    out_first = loading.out_first_for(args.weight_layout, batch_size=len(args.prompt))
+    model = jaxkv.load(args.model, dtype=args.dtype, out_first=out_first)
     t1 = time.perf_counter()
     outs = jaxkv.generate(
         model,
@@ -124,6 +126,14 @@ def _generate_flags(parser: argparse.ArgumentParser) -> None:
         help="'smollm2-135m' (embedded), a .gguf file or a HF safetensors directory",
     )
     flags.dtype_flag(parser)
+    parser.add_argument(
+        "--weight-layout",
+        default="auto",
+        choices=loading.WEIGHT_LAYOUTS,
+        help="float weights' storage: out-first (output channels first, which a batch-1 "
+        "decode step reads in place: about 1.6x faster on CPU), canonical, or auto (default: "
+        "out-first for one prompt; int8 weights are out-first already)",
+    )
     parser.add_argument(
         "--prompt", action="append", required=True, help="prompt text (repeat for a batch)"
     )

@@ -33,9 +33,10 @@ Float weights can take the same ``[O, I]`` layout without quantization: ``transp
 (``jaxkv.load(..., out_first=True)``) stores every layer's matmul weight as an ``OIWeight``,
 and a float32 decode step at batch 1 then reads each layer's slice of the stacked weights
 in place in the same fused loop, instead of copying the slice out for a dot thunk: 1.6x
-faster at 1K and 4K context on the 2-core CPU. It is opt-in because with 2-64 rows XLA:CPU
-copies the slice anyway and YNNPACK's dot with the transposed weight is slower than with
-the canonical one (batch-8 decode about 0.8x); prefill is unchanged
+faster at 1K and 4K context on the 2-core CPU. It is opt-in (``loading.out_first_for``
+picks it for a batch of one, as ``python -m jaxkv.eval generate`` does) because with 2-64
+rows XLA:CPU copies the slice anyway and YNNPACK's dot with the transposed weight is slower
+than with the canonical one (batch-8 decode about 0.8x); prefill is unchanged
 (results/profile_decode.md, "After out-first float weights").
 """
 
