@@ -177,6 +177,31 @@ PROTOCOL_GRID = {
         "slack": 0.0,
         "queue_weight": 1.0,
     },
+    # session 32: cost_aware shadows with a longer decay (cost_aware@<s>: τ × s), which trade
+    # mean TTFT for p99 on MM-Session; the guard follows whichever saves the most
+    "guard:moon+ca+ca2+ca4+gdsf,0%": {
+        "policy": "kvlearn_experts",
+        "experts": ["gd"],
+        "choice": "guard",
+        "baselines": ["mooncake", "cost_aware", "cost_aware@2", "cost_aware@4", "gdsf"],
+        "slack": 0.0,
+    },
+    "guard:moon+ca+ca2+ca4+gdsf,0%,s0.25": {
+        "policy": "kvlearn_experts",
+        "experts": ["gd"],
+        "choice": "guard",
+        "baselines": ["mooncake", "cost_aware", "cost_aware@2", "cost_aware@4", "gdsf"],
+        "slack": 0.0,
+        "size_power": 0.25,
+    },
+    "guard:moon+ca+ca2+ca4+gdsf,0%,s0.5": {
+        "policy": "kvlearn_experts",
+        "experts": ["gd"],
+        "choice": "guard",
+        "baselines": ["mooncake", "cost_aware", "cost_aware@2", "cost_aware@4", "gdsf"],
+        "slack": 0.0,
+        "size_power": 0.5,
+    },
 }
 CONFIRM_SETTING = "guard:moon+ca+gdsf,0%"  # every fold of the fourth protocol run chose it
 GOAL_RATIO = 1.01  # the issue's bound on KVLearn / best classical, mean and p99, per cell
@@ -240,6 +265,18 @@ def main() -> None:
         "protocol run chose)",
     )
     p.add_argument(
+        "--select",
+        metavar="SEEDS",
+        help="development selection: the --candidates grid settings and every baseline on the "
+        "four generated workloads of each seed (comma-separated; seeds runs have read), one "
+        "select_seed<SEED>.json per seed in --out, then select.md over every such file there",
+    )
+    p.add_argument(
+        "--candidates",
+        default=";".join(SELECT_CANDIDATES),
+        help="grid settings --select scores, separated by ';' (their names hold commas)",
+    )
+    p.add_argument(
         "--protocol-report",
         metavar="JSON",
         help="re-render protocol.md (and the summary) from a protocol.json; simulates nothing",
@@ -256,6 +293,13 @@ def main() -> None:
         return protocol(cost, Path(args.out), scale=args.protocol_scale)
     if args.protocol_report:
         return protocol_report(Path(args.protocol_report))
+    if args.select is not None:
+        seeds = [int(x) for x in args.select.split(",") if x]
+        names = [c for c in args.candidates.split(";") if c]
+        bad = [c for c in names if c not in PROTOCOL_GRID]
+        if bad or not names or not seeds:
+            p.error(f"--select needs seeds and grid settings; unknown: {bad}")
+        return select(cost, Path(args.out), seeds=seeds, names=names, scale=args.protocol_scale)
     if args.confirm is not None:
         return confirm(
             cost, Path(args.out), seed=args.confirm, setting=args.setting, scale=args.protocol_scale
@@ -555,6 +599,70 @@ def confirm(cost: CostModel, out: Path, *, seed: int, setting: str, scale: float
     (out / f"{name}.md").write_text(md)
     print(md)
     print(f"wrote {out / name}.json and .md ({meta['total_s']:.0f} s)")
+
+
+SELECT_CANDIDATES = (  # session 32's development grid (results/kvlearn/confirm/PROTOCOL.md)
+    "guard:moon+ca+gdsf,0%",
+    "guard:moon+ca+ca2+ca4+gdsf,0%",
+    "guard:moon+ca+ca2+ca4+gdsf,0%,s0.25",
+    "guard:moon+ca+ca2+ca4+gdsf,0%,s0.5",
+)
+
+
+def select(cost: CostModel, out: Path, *, seeds: list[int], names: list[str], scale: float):
+    """Development selection on seeds runs have read: for each seed, the ``names`` grid settings
+    and every baseline once on the four generated workloads (deployed as ``--confirm`` deploys
+    them), each cell's (mean, p99) ratios to the best classical policy in select_seed<SEED>.json;
+    then ``select_report`` over every such file in ``out``."""
+    classical = [c for c in CLASSICAL if c in BLOCK_POLICIES]
+    rho = _rho(cost)
+    out.mkdir(parents=True, exist_ok=True)
+    for seed in seeds:
+        traces = protocol_workloads(scale, seed=seed)
+        runs, _ = simulate_cells(traces, cost, names, rho)
+        ratios = {g: _tuning_ratios(runs, list(traces), g, classical) for g in names}
+        doc = {"seed": seed, "workloads": list(traces), "pools": list(FRACS), "ratios": ratios}
+        (out / f"select_seed{seed}.json").write_text(json.dumps(doc, indent=2))
+    select_report(out)
+
+
+def select_report(out: Path) -> str:
+    """The rule over every select_seed*.json in ``out`` (the settings all of them scored): per
+    setting, cells whose mean or p99 ratio exceeds ``GOAL_RATIO``, then the mean of (mean
+    ratio + p99 ratio) / 2; the chosen setting has the fewest, then the lowest (ties: the
+    order of the files' settings). Writes and returns select.md."""
+    docs = [json.loads(f.read_text()) for f in sorted(out.glob("select_seed*.json"))]
+    names = [g for g in docs[0]["ratios"] if all(g in d["ratios"] for d in docs)]
+    cells = {g: [tuple(r) for d in docs for r in d["ratios"][g]] for g in names}
+    rule = {
+        g: (
+            sum(m > GOAL_RATIO or q > GOAL_RATIO for m, q in c),
+            float(np.mean([(m + q) / 2 for m, q in c])),
+        )
+        for g, c in cells.items()
+    }
+    chosen = min(names, key=lambda g: rule[g])
+    seeds = ", ".join(str(d["seed"]) for d in docs)
+    lines = [
+        f"Development selection over seeds {seeds} ({len(cells[chosen])} cells each; "
+        f"workloads × pools {', '.join(f'{f:.0%}' for f in FRACS)}): cells above {GOAL_RATIO} "
+        "(mean or p99 ratio to the best classical policy), mean of (mean + p99 ratio) / 2, "
+        "worst ratios.",
+        "",
+        "| setting | cells above | score | worst mean | worst p99 | |",
+        "|---|---|---|---|---|---|",
+    ]
+    for g in names:
+        c = cells[g]
+        worst_m, worst_q = max(m for m, _ in c), max(q for _, q in c)
+        mark = "**chosen**" if g == chosen else ""
+        lines.append(
+            f"| `{g}` | {rule[g][0]} | {rule[g][1]:.4f} | {worst_m:.4f} | {worst_q:.4f} | {mark} |"
+        )
+    md = "\n".join(lines) + "\n"
+    (out / "select.md").write_text(md)
+    print(md)
+    return md
 
 
 def confirm_markdown(folds: list[dict], meta: dict, summary: dict) -> str:

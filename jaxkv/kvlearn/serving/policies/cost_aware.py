@@ -9,8 +9,10 @@ requests. The victim is the leaf of lowest value; every computed block is admitt
 ranking of two blocks by this value is the same at every n, so the priority is the
 time-invariant log C + log Σ_k exp(n_k/τ), updated at each access, and the cache's lazy heap
 orders it exactly. τ defaults to the pool's turnover, capacity / mean blocks per request of the
-trace (an untuned choice: a block's accesses count for about one pass of the pool); history is
-kept across evictions.
+trace (an untuned choice: a block's accesses count for about one pass of the pool), times
+``tau_scale`` (1 for the classical baseline); history is kept across evictions. A longer τ
+weighs older accesses more (toward frequency), which on the MM-Session workloads trades mean
+TTFT for a lower p99 (``docs/kvlearn.md``, session 32).
 """
 
 from __future__ import annotations
@@ -36,11 +38,14 @@ class CostAware(BlockPolicy):
         *,
         pool_blocks: int,
         tau_requests: float | None = None,
+        tau_scale: float = 1.0,
     ):
         super().__init__(trace, cost, pool_blocks=pool_blocks)
         per_req = float(np.mean([len(b) for b in trace.blocks])) if len(trace) else 1.0
         turnover = max(1.0, self.capacity / max(per_req, 1.0))
-        self.tau = turnover if tau_requests is None else tau_requests
+        if not tau_scale > 0:
+            raise ValueError(f"cost_aware: tau_scale must be positive, got {tau_scale}")
+        self.tau = tau_scale * turnover if tau_requests is None else tau_requests
         if not self.tau > 0:
             raise ValueError(f"cost_aware: tau_requests must be positive, got {tau_requests}")
         with np.errstate(divide="ignore"):

@@ -115,7 +115,45 @@ BASELINES = {
     "lru": LRUPool,
     "s3fifo": S3FIFO,
 }
-"""The classical block policies a guard can run in a shadow pool (``baselines``)."""
+"""The classical block policies a guard can run in a shadow pool (``baselines``); a name may
+also be ``cost_aware@<s>``: ``cost_aware`` with its decay τ scaled by s (``tau_scale``)."""
+TAU_SEP = "@"
+
+
+def baseline_policy(name: str, trace: MooncakeTrace, cost: CostModel, *, pool_blocks: int):
+    """The ``BlockPolicy`` a guard's baseline ``name`` runs (``BASELINES``, or
+    ``cost_aware@<s>``). Raises ValueError for any other name."""
+    base, tau_scale = _parse_baseline(name)
+    if tau_scale is None:
+        return BASELINES[base](trace, cost, pool_blocks=pool_blocks)
+    return CostAware(trace, cost, pool_blocks=pool_blocks, tau_scale=tau_scale)
+
+
+def _parse_baseline(name: str) -> tuple[str, float | None]:
+    """(policy name, τ scale or None) of a baseline name; ValueError if it names none."""
+    base, sep, scale = name.partition(TAU_SEP)
+    try:
+        tau_scale = float(scale) if sep else None
+    except ValueError:
+        tau_scale = math.nan
+    ok = base in BASELINES and (
+        not sep or (base == "cost_aware" and math.isfinite(tau_scale) and tau_scale > 0)
+    )
+    if not ok:
+        raise ValueError(
+            f"unknown baseline {name!r}: one of {tuple(BASELINES)}, or cost_aware@<s> with s > 0"
+        )
+    return base, tau_scale
+
+
+def _is_baseline(name: str) -> bool:
+    try:
+        _parse_baseline(name)
+    except ValueError:
+        return False
+    return True
+
+
 _COMPACT_SHIFT = 1  # compact the expert heaps when stale entries exceed 2^-shift of the pool
 _COMPACT_SLACK = 1024  # (plus this many)
 
@@ -140,7 +178,8 @@ class ExpertConfig:
             this fraction (hysteresis against flapping).
         cost_weighted: scale a ghost hit's regret by what the miss costs, s_j / s_0 (a miss
             of a deep block costs more recompute than a shallow one); False: LeCaR's count.
-        baselines: (``"guard"``) names from ``BASELINES``, distinct, at least one.
+        baselines: (``"guard"``) names from ``BASELINES`` (or ``cost_aware@<s>``), distinct,
+            at least one.
         slack: (``"guard"``) the learner (the one expert) evicts while the real pool's
             queue-free TTFT is ≤ (1 + slack) × the best baseline shadow's.
         follow: (``"shadow"``) a leader with a shadow pool first evicts the real leaves its
@@ -187,10 +226,11 @@ class ExpertConfig:
             )
         if self.choice == "guard" and len(self.experts) != 1:
             raise ValueError(f"'guard' needs one expert (the learner), got {self.experts}")
-        bad = [b for b in self.baselines if b not in BASELINES]
+        bad = [b for b in self.baselines if not _is_baseline(b)]
         if not self.baselines or bad or len(set(self.baselines)) != len(self.baselines):
             raise ValueError(
-                f"baselines must be distinct names from {tuple(BASELINES)}, got {self.baselines}"
+                f"baselines must be distinct names from {tuple(BASELINES)} (or "
+                f"cost_aware@<s>), got {self.baselines}"
             )
         for name in ("queue_weight", "size_power"):
             v = getattr(self, name)
@@ -331,7 +371,7 @@ class ExpertKVLearn(BlockKVLearn):
         """Leader index → its shadow pool (``"shadow"``: the experts; ``"guard"``: 1 + the
         baselines' indices)."""
         for k, name in enumerate(self.xcfg.baselines if guarded else (), start=1):
-            pol = BASELINES[name](trace, cost, pool_blocks=self.capacity)
+            pol = baseline_policy(name, trace, cost, pool_blocks=self.capacity)
             self.shadow_of[k] = ShadowPolicy(pol, trace.n_blocks)
         self.shadows = list(self.shadow_of.values())
         self.follow = self.xcfg.follow or guarded  # (``attach`` binds the shadows' hooks)
