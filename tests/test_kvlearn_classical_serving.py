@@ -615,6 +615,19 @@ def test_cost_aware_hand_worked(monkeypatch):
     assert [e for e in ev if e] == [["a"], ["b"], ["c"], ["b"]]
 
 
+def test_cost_aware_tau_scale_multiplies_the_turnover(monkeypatch):
+    reqs = random_requests(1)
+    _, _, base, _ = _run(monkeypatch, "cost_aware", reqs, 12)
+    hits, ev, pol, rec = _run(monkeypatch, "cost_aware", reqs, 12, tau_scale=3.0)
+    assert pol.tau == pytest.approx(3.0 * base.tau)
+    tr, names = _trace(reqs)
+    ref = RefLeafPriority(12, block_saving_ms(tr, COST), kind="cost_aware", tau=pol.tau)
+    r_hits, r_ev = _reference_run(ref, [list(map(int, b)) for b in tr.blocks], with_index=True)
+    assert hits == r_hits and ev == [[names[b] for b in e] for e in r_ev]
+    with pytest.raises(ValueError, match="tau_scale"):
+        _run(monkeypatch, "cost_aware", reqs, 12, tau_scale=0.0)
+
+
 def test_infinite_every_rereference_hits(monkeypatch):
     reqs = random_requests(3, 200)
     hits, ev, pol, rec = _run(monkeypatch, "infinite", reqs, 1)

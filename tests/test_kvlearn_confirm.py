@@ -49,3 +49,33 @@ def test_confirm_workloads_differ_from_the_protocols():
         assert fresh[kind].blocks[0].tolist() != protocol[kind].blocks[0].tolist() or (
             fresh[kind].time_s.tolist() != protocol[kind].time_s.tolist()
         )
+
+
+def _select_file(out: Path, seed: int, ratios: dict) -> None:
+    doc = {"seed": seed, "workloads": ["w"], "pools": list(bench.FRACS), "ratios": ratios}
+    (out / f"select_seed{seed}.json").write_text(json.dumps(doc))
+
+
+def test_select_rule_counts_cells_above_the_bound_then_scores(tmp_path):
+    # a: one p99 cell above 1.01; b: none, but a higher score; c: none and the lowest score
+    _select_file(tmp_path, 1, {"a": [[0.9, 1.02]], "b": [[1.0, 1.0]], "c": [[1.0, 0.99]]})
+    _select_file(tmp_path, 2, {"a": [[0.9, 0.9]], "b": [[1.005, 1.0]], "c": [[1.0, 1.0]]})
+    md = bench.select_report(tmp_path)
+    assert "| `c` | 0 | 0.9975 | 1.0000 | 1.0000 | **chosen** |" in md
+    assert "| `a` | 1 | 0.9300 | 0.9000 | 1.0200 |  |" in md
+    assert (tmp_path / "select.md").read_text() == md
+
+
+def test_select_rule_ties_go_to_grid_order(tmp_path):
+    _select_file(tmp_path, 1, {"x": [[1.0, 1.0]], "y": [[1.0, 1.0]]})
+    assert "| `x` | 0 | 1.0000 | 1.0000 | 1.0000 | **chosen** |" in bench.select_report(tmp_path)
+
+
+def test_select_writes_every_candidates_ratios_per_seed(tmp_path):
+    cost = bench.CostModel.llama3_8b_a100()
+    names = ["guard:moon+ca+gdsf,0%", "guard:moon+ca+ca2+ca4+gdsf,0%"]
+    bench.select(cost, tmp_path, seeds=[998], names=names, scale=0.01)
+    doc = json.loads((tmp_path / "select_seed998.json").read_text())
+    assert list(doc["ratios"]) == names
+    assert all(len(r) == 4 * len(bench.FRACS) for r in doc["ratios"].values())
+    assert "**chosen**" in (tmp_path / "select.md").read_text()

@@ -485,6 +485,25 @@ def test_a_guard_that_always_backs_off_is_its_baseline(monkeypatch, baseline):
             assert got == want and len(want[1]) > 20
 
 
+def test_a_guard_backed_off_to_a_longer_decay_is_cost_aware_with_it(monkeypatch):
+    """``cost_aware@3`` is ``cost_aware`` with its τ scaled by 3, event for event."""
+    monkeypatch.setattr(experts_lib, "guard", lambda *a, **k: True)
+    tr = _trace(_random_requests(4))
+    kw = dict(experts=("gd",), baselines=("cost_aware@3",), choice="guard")
+    got = _evictions(monkeypatch, "kvlearn_experts", tr, 9, **kw)
+    want = _evictions(monkeypatch, "cost_aware", tr, 9, tau_scale=3.0)
+    assert got == want and len(want[1]) > 20
+    assert want != _evictions(monkeypatch, "cost_aware", tr, 9)  # the decay matters here
+
+
+@pytest.mark.parametrize("name", ["cost_aware@0", "cost_aware@-1", "cost_aware@x", "gdsf@2"])
+def test_a_scaled_baseline_must_be_cost_aware_with_a_positive_scale(name):
+    with pytest.raises(ValueError, match="baselines"):
+        ExpertConfig(experts=("gd",), choice="guard", baselines=(name,))
+    with pytest.raises(ValueError, match="unknown baseline"):
+        experts_lib.baseline_policy(name, _trace([[1]]), COST, pool_blocks=4)
+
+
 def test_update_functions():
     assert regret(0, capacity=10, discount=0.005) == 1.0
     assert regret(10, capacity=10, discount=0.005) == pytest.approx(0.005)
