@@ -11,6 +11,7 @@ Usage: python scripts/bench_kvlearn_serving.py [--trace PATH] [--out results/kvl
        python scripts/bench_kvlearn_serving.py --protocol [--protocol-scale 1] [--out DIR]
        python scripts/bench_kvlearn_serving.py --protocol-report results/kvlearn/protocol.json
        python scripts/bench_kvlearn_serving.py --confirm SEED [--setting NAME] [--out DIR]
+       python scripts/bench_kvlearn_serving.py --select SEEDS [--candidates 'A;B'] [--out DIR]
 
 Writes serving_goals.json and serving_goals.md. KVLearn's hyper-parameters are its defaults
 (``BlockKVLearnConfig`` in ``jaxkv/kvlearn/serving/policies/kvlearn.py``), chosen on the first
@@ -191,6 +192,22 @@ PROTOCOL_GRID = {
         "experts": ["gd"],
         "choice": "guard",
         "baselines": ["mooncake", "cost_aware", "cost_aware@2", "cost_aware@4", "gdsf"],
+        "slack": 0.0,
+        "size_power": 0.25,
+    },
+    "guard:moon+ca+ca2+ca4+gdsf+lfu+s3,0%,s0.25": {  # + addendum 6's lfu and s3fifo shadows
+        "policy": "kvlearn_experts",
+        "experts": ["gd"],
+        "choice": "guard",
+        "baselines": [
+            "mooncake",
+            "cost_aware",
+            "cost_aware@2",
+            "cost_aware@4",
+            "gdsf",
+            "lfu",
+            "s3fifo",
+        ],
         "slack": 0.0,
         "size_power": 0.25,
     },
