@@ -220,7 +220,9 @@ PROTOCOL_GRID = {
         "size_power": 0.5,
     },
 }
-CONFIRM_SETTING = "guard:moon+ca+gdsf,0%"  # every fold of the fourth protocol run chose it
+# addendum 6's choice (session 32; before it, "guard:moon+ca+gdsf,0%", which every fold of the
+# fourth protocol run chose): results/kvlearn/confirm/PROTOCOL.md
+CONFIRM_SETTING = "guard:moon+ca+ca2+ca4+gdsf+lfu+s3,0%,s0.25"
 GOAL_RATIO = 1.01  # the issue's bound on KVLearn / best classical, mean and p99, per cell
 LEARNED = ("kvlearn", "kvlearn_experts")  # never a baseline; ``kvlearn`` in the tables = chosen
 PROTOCOL_REQUESTS = {"chat": 6000, "agent": 3000, "rag": 6000}
@@ -278,8 +280,8 @@ def main() -> None:
         "--setting",
         default=CONFIRM_SETTING,
         choices=list(PROTOCOL_GRID),
-        help="the grid setting --confirm runs (default: the one every fold of the fourth "
-        "protocol run chose)",
+        help="the grid setting --confirm runs (default: the fresh-seed protocol's latest choice, "
+        "results/kvlearn/confirm/PROTOCOL.md)",
     )
     p.add_argument(
         "--select",
