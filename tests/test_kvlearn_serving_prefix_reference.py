@@ -187,9 +187,12 @@ def decision_digest(tr: traces_lib.MooncakeTrace, policy: str) -> str:
 
 
 def _digest_at_isa_floor(tmp_path, kind: str, policy: str) -> str:
-    """``decision_digest`` in a fresh process whose XLA:CPU code generation is capped at AVX."""
+    """``decision_digest`` in a fresh process whose XLA:CPU code generation is capped at AVX.
+    YNNPACK's fusions are off too: they pick their kernels from the CPU, not from the cap
+    (on an AVX-512 host they gave the PRP other bits; session 32)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_cpu_max_isa=AVX".strip()
+    flags = "--xla_cpu_max_isa=AVX --xla_cpu_experimental_ynn_fusion_type="
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flags}".strip()
     code = (
         "import sys; sys.path.insert(0, sys.argv[1]); import pathlib, "
         "test_kvlearn_serving_prefix_reference as t; "

@@ -46,7 +46,11 @@ SCRIPT = textwrap.dedent(
 
 @pytest.mark.slow
 def test_forward_sharded_over_8_cpu_devices_equals_unsharded():
+    # YNNPACK's fusions off: they choose kernels by CPU and shape, so on an AVX-512 host the
+    # sharded and unsharded programs summed one logit in another order (1.1e-5 apart; session
+    # 32); the test is about the partitioning, and with XLA's own kernels the two agree to 1e-5
     flags = f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count=8"
+    flags += " --xla_cpu_experimental_ynn_fusion_type="
     env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
     res = subprocess.run(
         [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600
