@@ -57,6 +57,7 @@ import jaxkv
 from jaxkv import eviction, kvcache
 from jaxkv.evals import latency
 from jaxkv.eviction import Compression
+from jaxkv.generate import GREEDY, sample
 from jaxkv.model import decoder
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
@@ -150,7 +151,7 @@ def main():
     def decode(ct):
         """One step on (cache, token): the logits' greedy token is the next step's input."""
         logits, c = decoder.decode_step(params, ct[1], ct[0], config=cfg)
-        return c, jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return c, sample(logits, GREEDY, key=None)
 
     def evicting(comp, with_decode):
         # None for the heuristics; a learned policy's weights (and W_o for critical:, blends)

@@ -115,6 +115,22 @@ TUNE_HEAD = 2000
 # ---- the leave-one-workload-out protocol (rule in the module docstring) -----------------------
 CLASSICAL = ("lru", "mooncake", "lfu", "arc", "s3fifo", "wtinylfu", "slru", "gdsf", "cost_aware")
 BOUNDS = ("belady", "oracle_static", "infinite")
+
+
+def _guard(*baselines: str, slack: float = 0.0, **options) -> dict:
+    """A ``PROTOCOL_GRID`` setting: ``kvlearn_experts``' guard over the learner ``gd`` with
+    these baseline shadows (``kvlearn_experts.ExpertConfig``)."""
+    return dict(
+        policy="kvlearn_experts",
+        experts=["gd"],
+        choice="guard",
+        baselines=list(baselines),
+        slack=slack,
+        **options,
+    )
+
+
+_CA_DECAYS = ("mooncake", "cost_aware", "cost_aware@2", "cost_aware@4", "gdsf")
 PROTOCOL_GRID = {
     "gd+write": {"retention": "gd", "write_cost": True},
     "gd": {"retention": "gd", "write_cost": False},
@@ -135,90 +151,22 @@ PROTOCOL_GRID = {
         "choice": "shadow",
         "follow": True,
     },
-    "guard:moon": {
-        "policy": "kvlearn_experts",
-        "experts": ["gd"],
-        "choice": "guard",
-        "baselines": ["mooncake"],
-        "slack": 0.005,
-    },
-    "guard:moon+ca": {
-        "policy": "kvlearn_experts",
-        "experts": ["gd"],
-        "choice": "guard",
-        "baselines": ["mooncake", "cost_aware"],
-        "slack": 0.005,
-    },
-    "guard:moon+ca,1%": {
-        "policy": "kvlearn_experts",
-        "experts": ["gd"],
-        "choice": "guard",
-        "baselines": ["mooncake", "cost_aware"],
-        "slack": 0.01,
-    },
-    "guard:moon+ca+gdsf,0%": {
-        "policy": "kvlearn_experts",
-        "experts": ["gd"],
-        "choice": "guard",
-        "baselines": ["mooncake", "cost_aware", "gdsf"],
-        "slack": 0.0,
-    },
-    "guard:moon+ca+gdsf+lfu+s3,0%": {
-        "policy": "kvlearn_experts",
-        "experts": ["gd"],
-        "choice": "guard",
-        "baselines": ["mooncake", "cost_aware", "gdsf", "lfu", "s3fifo"],
-        "slack": 0.0,
-    },
-    "guard:moon+ca+gdsf,0%,q1": {  # session 28: savings weighted by the queue behind a request
-        "policy": "kvlearn_experts",
-        "experts": ["gd"],
-        "choice": "guard",
-        "baselines": ["mooncake", "cost_aware", "gdsf"],
-        "slack": 0.0,
-        "queue_weight": 1.0,
-    },
+    "guard:moon": _guard("mooncake", slack=0.005),
+    "guard:moon+ca": _guard("mooncake", "cost_aware", slack=0.005),
+    "guard:moon+ca,1%": _guard("mooncake", "cost_aware", slack=0.01),
+    "guard:moon+ca+gdsf,0%": _guard("mooncake", "cost_aware", "gdsf"),
+    "guard:moon+ca+gdsf+lfu+s3,0%": _guard("mooncake", "cost_aware", "gdsf", "lfu", "s3fifo"),
+    # session 28: savings weighted by the queue behind a request
+    "guard:moon+ca+gdsf,0%,q1": _guard("mooncake", "cost_aware", "gdsf", queue_weight=1.0),
     # session 32: cost_aware shadows with a longer decay (cost_aware@<s>: τ × s), which trade
     # mean TTFT for p99 on MM-Session; the guard follows whichever saves the most
-    "guard:moon+ca+ca2+ca4+gdsf,0%": {
-        "policy": "kvlearn_experts",
-        "experts": ["gd"],
-        "choice": "guard",
-        "baselines": ["mooncake", "cost_aware", "cost_aware@2", "cost_aware@4", "gdsf"],
-        "slack": 0.0,
-    },
-    "guard:moon+ca+ca2+ca4+gdsf,0%,s0.25": {
-        "policy": "kvlearn_experts",
-        "experts": ["gd"],
-        "choice": "guard",
-        "baselines": ["mooncake", "cost_aware", "cost_aware@2", "cost_aware@4", "gdsf"],
-        "slack": 0.0,
-        "size_power": 0.25,
-    },
-    "guard:moon+ca+ca2+ca4+gdsf+lfu+s3,0%,s0.25": {  # + addendum 6's lfu and s3fifo shadows
-        "policy": "kvlearn_experts",
-        "experts": ["gd"],
-        "choice": "guard",
-        "baselines": [
-            "mooncake",
-            "cost_aware",
-            "cost_aware@2",
-            "cost_aware@4",
-            "gdsf",
-            "lfu",
-            "s3fifo",
-        ],
-        "slack": 0.0,
-        "size_power": 0.25,
-    },
-    "guard:moon+ca+ca2+ca4+gdsf,0%,s0.5": {
-        "policy": "kvlearn_experts",
-        "experts": ["gd"],
-        "choice": "guard",
-        "baselines": ["mooncake", "cost_aware", "cost_aware@2", "cost_aware@4", "gdsf"],
-        "slack": 0.0,
-        "size_power": 0.5,
-    },
+    "guard:moon+ca+ca2+ca4+gdsf,0%": _guard(*_CA_DECAYS),
+    "guard:moon+ca+ca2+ca4+gdsf,0%,s0.25": _guard(*_CA_DECAYS, size_power=0.25),
+    # + addendum 6's lfu and s3fifo shadows
+    "guard:moon+ca+ca2+ca4+gdsf+lfu+s3,0%,s0.25": _guard(
+        *_CA_DECAYS, "lfu", "s3fifo", size_power=0.25
+    ),
+    "guard:moon+ca+ca2+ca4+gdsf,0%,s0.5": _guard(*_CA_DECAYS, size_power=0.5),
 }
 # addendum 6's choice (session 32; before it, "guard:moon+ca+gdsf,0%", which every fold of the
 # fourth protocol run chose): results/kvlearn/confirm/PROTOCOL.md
@@ -653,13 +601,7 @@ def select_report(out: Path) -> str:
     docs = [json.loads(f.read_text()) for f in sorted(out.glob("select_seed*.json"))]
     names = [g for g in docs[0]["ratios"] if all(g in d["ratios"] for d in docs)]
     cells = {g: [tuple(r) for d in docs for r in d["ratios"][g]] for g in names}
-    rule = {
-        g: (
-            sum(m > GOAL_RATIO or q > GOAL_RATIO for m, q in c),
-            float(np.mean([(m + q) / 2 for m, q in c])),
-        )
-        for g, c in cells.items()
-    }
+    rule = {g: _rule(c) for g, c in cells.items()}
     chosen = min(names, key=lambda g: rule[g])
     seeds = ", ".join(str(d["seed"]) for d in docs)
     lines = [
@@ -743,9 +685,14 @@ def _tuning_ratios(runs: dict, names: list[str], setting: str, classical: list[s
 def _tuning_score(runs: dict, names: list[str], setting: str, classical: list[str]) -> tuple:
     """(fails, score) of the rule: cells whose mean or p99 ratio exceeds ``GOAL_RATIO``, and the
     mean over the cells of (mean ratio + p99 ratio) / 2."""
-    r = _tuning_ratios(runs, names, setting, classical)
-    fails = sum(m > GOAL_RATIO or p > GOAL_RATIO for m, p in r)
-    return fails, float(np.mean([(m + p) / 2 for m, p in r]))
+    return _rule(_tuning_ratios(runs, names, setting, classical))
+
+
+def _rule(ratios: list) -> tuple[int, float]:
+    """(cells whose mean or p99 ratio exceeds ``GOAL_RATIO``, mean of (mean + p99 ratio) / 2)
+    over [(mean ratio, p99 ratio)] cells: lower is better, in that order."""
+    fails = sum(m > GOAL_RATIO or p > GOAL_RATIO for m, p in ratios)
+    return fails, float(np.mean([(m + p) / 2 for m, p in ratios]))
 
 
 def protocol_fold(held: str, names: list[str], runs: dict, classical: list[str]) -> dict:

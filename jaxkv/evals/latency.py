@@ -44,7 +44,7 @@ from jaxkv.evals.runner import (
     switch_state,
 )
 from jaxkv.eviction import Compression
-from jaxkv.generate import prefill_compressed
+from jaxkv.generate import GREEDY, prefill_compressed, sample
 from jaxkv.model import decoder
 
 NAME = "latency"
@@ -88,7 +88,7 @@ def decode_and_forget(params, token_B, cache, *, config):
     logits, cache = decoder.decode_step(params, token_B, cache, config=config)
     newest = cache.pos == (cache.length - 1)[None, :, None, None]
     cache = cache.replace(pos=jnp.where(newest, kvcache.FREE, cache.pos), length=cache.length - 1)
-    return cache, jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return cache, sample(logits, GREEDY, key=None)
 
 
 # The step on a donated cache (written in place, not copied).

@@ -123,35 +123,30 @@ TAU_SEP = "@"
 def baseline_policy(name: str, trace: MooncakeTrace, cost: CostModel, *, pool_blocks: int):
     """The ``BlockPolicy`` a guard's baseline ``name`` runs (``BASELINES``, or
     ``cost_aware@<s>``). Raises ValueError for any other name."""
-    base, tau_scale = _parse_baseline(name)
+    parsed = _parse_baseline(name)
+    if parsed is None:
+        raise ValueError(
+            f"unknown baseline {name!r}: one of {tuple(BASELINES)}, or cost_aware@<s> with s > 0"
+        )
+    base, tau_scale = parsed
     if tau_scale is None:
         return BASELINES[base](trace, cost, pool_blocks=pool_blocks)
     return CostAware(trace, cost, pool_blocks=pool_blocks, tau_scale=tau_scale)
 
 
-def _parse_baseline(name: str) -> tuple[str, float | None]:
-    """(policy name, τ scale or None) of a baseline name; ValueError if it names none."""
+def _parse_baseline(name: str) -> tuple[str, float | None] | None:
+    """(policy name, τ scale or None) of a baseline name; None if it names no baseline."""
     base, sep, scale = name.partition(TAU_SEP)
+    if base not in BASELINES:
+        return None
+    if not sep:
+        return base, None
     try:
-        tau_scale = float(scale) if sep else None
+        tau_scale = float(scale)
     except ValueError:
-        tau_scale = math.nan
-    ok = base in BASELINES and (
-        not sep or (base == "cost_aware" and math.isfinite(tau_scale) and tau_scale > 0)
-    )
-    if not ok:
-        raise ValueError(
-            f"unknown baseline {name!r}: one of {tuple(BASELINES)}, or cost_aware@<s> with s > 0"
-        )
-    return base, tau_scale
-
-
-def _is_baseline(name: str) -> bool:
-    try:
-        _parse_baseline(name)
-    except ValueError:
-        return False
-    return True
+        return None
+    ok = base == "cost_aware" and math.isfinite(tau_scale) and tau_scale > 0
+    return (base, tau_scale) if ok else None
 
 
 _COMPACT_SHIFT = 1  # compact the expert heaps when stale entries exceed 2^-shift of the pool
@@ -226,7 +221,7 @@ class ExpertConfig:
             )
         if self.choice == "guard" and len(self.experts) != 1:
             raise ValueError(f"'guard' needs one expert (the learner), got {self.experts}")
-        bad = [b for b in self.baselines if not _is_baseline(b)]
+        bad = [b for b in self.baselines if _parse_baseline(b) is None]
         if not self.baselines or bad or len(set(self.baselines)) != len(self.baselines):
             raise ValueError(
                 f"baselines must be distinct names from {tuple(BASELINES)} (or "
