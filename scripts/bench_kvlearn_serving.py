@@ -130,6 +130,12 @@ def _guard(*baselines: str, slack: float = 0.0, **options) -> dict:
     )
 
 
+def _follow(*baselines: str, **options) -> dict:
+    """A ``PROTOCOL_GRID`` setting: the guard with no learner (``learner=False``): the real
+    pool follows the shadow of the baseline that has saved most so far."""
+    return _guard(*baselines, **options) | {"experts": ["lru"], "learner": False}
+
+
 _CA_DECAYS = ("mooncake", "cost_aware", "cost_aware@2", "cost_aware@4", "gdsf")
 PROTOCOL_GRID = {
     "gd+write": {"retention": "gd", "write_cost": True},
@@ -167,6 +173,13 @@ PROTOCOL_GRID = {
         *_CA_DECAYS, "lfu", "s3fifo", size_power=0.25
     ),
     "guard:moon+ca+ca2+ca4+gdsf,0%,s0.5": _guard(*_CA_DECAYS, size_power=0.5),
+    # session 33 (addendum 7): no learner; then a shadow for every classical policy
+    "follow:moon+ca+ca2+ca4+gdsf+lfu+s3,s0.25": _follow(
+        *_CA_DECAYS, "lfu", "s3fifo", size_power=0.25
+    ),
+    "follow:all+ca2+ca4,s0.25": _follow(
+        *_CA_DECAYS, "lfu", "s3fifo", "lru", "arc", "slru", "wtinylfu", size_power=0.25
+    ),
 }
 # addendum 6's choice (session 32; before it, "guard:moon+ca+gdsf,0%", which every fold of the
 # fourth protocol run chose): results/kvlearn/confirm/PROTOCOL.md

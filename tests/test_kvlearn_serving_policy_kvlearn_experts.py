@@ -443,7 +443,7 @@ def test_guard_shadow_has_the_real_timing(monkeypatch):
     assert [e[2] for e in events if e[0] == "lookup"] == moon.tolist()
 
 
-@pytest.mark.parametrize("baseline", ["lru", "s3fifo"])
+@pytest.mark.parametrize("baseline", ["lru", "s3fifo", "arc", "slru", "wtinylfu"])
 def test_an_independent_key_shadow_is_its_policy(monkeypatch, baseline):
     """A baseline that keeps blocks as independent keys (``lru``, ``s3fifo``: it may hold a
     block without its parent) runs in its shadow exactly as alone, whatever the real pool does:
@@ -483,6 +483,37 @@ def test_a_guard_that_always_backs_off_is_its_baseline(monkeypatch, baseline):
             got = _evictions(monkeypatch, "kvlearn_experts", tr, pool, nodes, **kw)
             want = _evictions(monkeypatch, baseline, tr, pool, nodes)
             assert got == want and len(want[1]) > 20
+
+
+@pytest.mark.parametrize("baseline", ["mooncake", "gdsf", "cost_aware"])
+def test_a_guard_with_no_learner_is_its_baseline(monkeypatch, baseline):
+    """``learner=False`` follows the best baseline from the first request: with one baseline
+    it is that classical policy event for event (hits and every eviction in order), on
+    sequential and on overlapping requests, and it never trains the PRP."""
+    reqs = _random_requests(5)
+    for tr, nodes in ((_trace(reqs), 1), (_overlapping(reqs), 3)):
+        for pool in (4, 9):
+            kw = dict(experts=("lru",), baselines=(baseline,), choice="guard", learner=False)
+            got = _evictions(monkeypatch, "kvlearn_experts", tr, pool, nodes, **kw)
+            want = _evictions(monkeypatch, baseline, tr, pool, nodes)
+            assert got == want and len(want[1]) > 20
+    pol = ExpertKVLearn(_trace(reqs), COST, pool_blocks=4, **kw)
+    engine_cfg = engine.ServingConfig(pool_blocks=4)
+    monkeypatch.setitem(policies_lib.REGISTRY, "kvlearn_experts", lambda *a, **k: pol)
+    engine.simulate(_trace(reqs), "kvlearn_experts", cfg=engine_cfg, cost=COST)
+    assert pol.xs.backoff_requests == len(reqs) and not pol.pred.trained
+
+
+def test_a_guard_with_no_learner_follows_the_baseline_that_saved_most(monkeypatch):
+    """With two baselines and no learner, the real pool's hits are, request by request, those
+    of a guard forced to back off from the first request (``guard`` patched to True), whose
+    learner's order (``lru``, neither baseline's) then decides nothing either."""
+    tr = _trace(_random_requests(6))
+    kw = dict(experts=("lru",), baselines=("lfu", "gdsf"), choice="guard")
+    got = _evictions(monkeypatch, "kvlearn_experts", tr, 8, learner=False, **kw)
+    monkeypatch.setattr(experts_lib, "guard", lambda *a, **k: True)
+    want = _evictions(monkeypatch, "kvlearn_experts", tr, 8, **kw)
+    assert got == want and len(want[1]) > 20
 
 
 def test_a_guard_backed_off_to_a_longer_decay_is_cost_aware_with_it(monkeypatch):
@@ -530,13 +561,17 @@ def test_hyper_parameters_are_validated(tmp_path):
     with pytest.raises(ValueError, match="one expert"):
         ExpertConfig(experts=("gd", "lru"), choice="guard")
     with pytest.raises(ValueError, match="baselines"):
-        ExpertConfig(experts=("gd",), choice="guard", baselines=("arc",))
+        ExpertConfig(experts=("gd",), choice="guard", baselines=("belady",))
     with pytest.raises(ValueError, match="baselines"):
         ExpertConfig(experts=("gd",), choice="guard", baselines=())
     with pytest.raises(ValueError, match="slack"):
         ExpertConfig(experts=("gd",), choice="guard", slack=1.0)
     with pytest.raises(ValueError, match="window"):
         ExpertConfig(experts=("gd",), choice="guard", window=0.5)
+    with pytest.raises(ValueError, match="learner=False"):
+        ExpertConfig(experts=("gd",), choice="guard", learner=False)
+    with pytest.raises(ValueError, match="learner=False"):
+        ExpertConfig(experts=("lru",), choice="shadow", learner=False)
     tr = _trace([[0, 1]])
     pol = ExpertKVLearn(tr, COST, pool_blocks=4, experts=["lfu", "gd"], predictor="logistic")
     assert pol.xcfg.experts == ("lfu", "gd") and pol.cfg.write_cost is False

@@ -61,6 +61,12 @@ al., CACHEUS, FAST 2021):
   the prefix-closed real pool then only approximates such a shadow. ``base_margin`` adds
   hysteresis to the choice of baseline, ``window`` a second, recent-only test of the same rule
   (both off by default).
+* **No learner** (``learner=False``, with ``"guard"`` and ``experts=("lru",)``): the real
+  pool follows the baseline whose shadow has saved most so far from the first request, as a
+  guard that always backs off: follow-the-leader over the baselines' shadows (the expert
+  selection of LeCaR and CACHEUS, scored by the recompute each shadow saved), with no PRP
+  trained. The learner cannot cost a loss it has not yet been caught at (the guard's first
+  deficit); each change of leader still inherits the pool the previous one built.
 * **Follow** (``follow=True``, with ``"shadow"``; always on with ``"guard"``): an expert with a
   shadow pool that takes over evicts first the real pool's leaves that its shadow does not
   hold (in the order the shadow let them go), so the real pool moves toward the contents the
@@ -94,6 +100,7 @@ from collections.abc import Callable
 import numpy as np
 
 from jaxkv.kvlearn.cost import CostModel
+from jaxkv.kvlearn.serving.policies.arc import ARC
 from jaxkv.kvlearn.serving.policies.base import BlockPolicy, block_saving_ms
 from jaxkv.kvlearn.serving.policies.cost_aware import CostAware
 from jaxkv.kvlearn.serving.policies.gdsf import GDSF
@@ -102,6 +109,8 @@ from jaxkv.kvlearn.serving.policies.lfu import LFU
 from jaxkv.kvlearn.serving.policies.lru import LRUPool
 from jaxkv.kvlearn.serving.policies.mooncake import Mooncake
 from jaxkv.kvlearn.serving.policies.s3fifo import S3FIFO
+from jaxkv.kvlearn.serving.policies.slru import SLRU
+from jaxkv.kvlearn.serving.policies.wtinylfu import WTinyLFU
 from jaxkv.kvlearn.serving.prefix import ROOT, PrefixCache
 from jaxkv.kvlearn.traces import MooncakeTrace
 
@@ -114,6 +123,9 @@ BASELINES = {
     "cost_aware": CostAware,
     "lru": LRUPool,
     "s3fifo": S3FIFO,
+    "arc": ARC,
+    "slru": SLRU,
+    "wtinylfu": WTinyLFU,
 }
 """The classical block policies a guard can run in a shadow pool (``baselines``); a name may
 also be ``cost_aware@<s>``: ``cost_aware`` with its decay τ scaled by s (``tau_scale``)."""
@@ -194,6 +206,10 @@ class ExpertConfig:
             shortens every wait behind it); 0: every request alike.
         size_power: (``"guard"``) > 0: those terms are also weighted by the request's full
             TTFT to this power (the tail of TTFT is made of the largest requests); 0: not.
+        learner: (``"guard"``) False: the learner never leads: the real pool follows the
+            baseline that has saved most so far from the first request (follow-the-leader over
+            the baselines' shadows), and no PRP is trained. Needs ``experts=("lru",)``: its
+            order evicts only when the real pool holds no leaf outside that baseline's shadow.
     """
 
     experts: tuple[str, ...] = ("gd", "gdsf", "lru", "lfu")
@@ -210,6 +226,7 @@ class ExpertConfig:
     base_margin: float = 0.0
     queue_weight: float = 0.0
     size_power: float = 0.0
+    learner: bool = True
 
     def __post_init__(self):
         bad = [e for e in self.experts if e not in EXPERTS]
@@ -221,6 +238,11 @@ class ExpertConfig:
             )
         if self.choice == "guard" and len(self.experts) != 1:
             raise ValueError(f"'guard' needs one expert (the learner), got {self.experts}")
+        if not self.learner and (self.choice != "guard" or self.experts != ("lru",)):
+            raise ValueError(
+                "learner=False follows the baselines alone: it needs choice='guard' and "
+                f"experts=('lru',), got {self.choice!r} and {self.experts}"
+            )
         bad = [b for b in self.baselines if _parse_baseline(b) is None]
         if not self.baselines or bad or len(set(self.baselines)) != len(self.baselines):
             raise ValueError(
@@ -573,7 +595,8 @@ class ExpertKVLearn(BlockKVLearn):
                     heapq.heappush(xs.orphans[k], (xs.n_orphan, b))
 
     def on_access(self, blocks, hit, i, now):
-        super().on_access(blocks, hit, i, now)
+        if self.xcfg.learner:  # the PRP (no learner: nothing reads it)
+            super().on_access(blocks, hit, i, now)
         xs, x = self.xs, self.xcfg
         xs.t += len(blocks)
         save = self.costs.save_ms
@@ -621,6 +644,7 @@ class ExpertKVLearn(BlockKVLearn):
             xs.recent_full = g * xs.recent_full + full
             recent = guard(xs.recent_real, xs.recent_base_B[best], xs.recent_full, slack=x.slack)
             back_off = back_off or recent
+        back_off = back_off or not x.learner
         xs.leader = 1 + best if back_off else 0
         xs.backoff_requests += back_off
 
