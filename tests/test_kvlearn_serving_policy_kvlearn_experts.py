@@ -445,7 +445,8 @@ def test_guard_shadow_has_the_real_timing(monkeypatch):
 
 @pytest.mark.parametrize("baseline", ["lru", "s3fifo", "arc", "slru", "wtinylfu"])
 def test_an_independent_key_shadow_is_its_policy(monkeypatch, baseline):
-    """A baseline that keeps blocks as independent keys (``lru``, ``s3fifo``: it may hold a
+    """A baseline that keeps blocks as independent keys (``lru``, ``s3fifo``, ``arc``,
+    ``slru``, ``wtinylfu``: it may hold a
     block without its parent) runs in its shadow exactly as alone, whatever the real pool does:
     on sequential requests its hits are the policy's own engine run's, request by request,
     with the learner never backing off (slack 0.99) and backing off whenever behind (0). The
@@ -491,16 +492,15 @@ def test_a_guard_with_no_learner_is_its_baseline(monkeypatch, baseline):
     it is that classical policy event for event (hits and every eviction in order), on
     sequential and on overlapping requests, and it never trains the PRP."""
     reqs = _random_requests(5)
+    kw = dict(experts=("lru",), baselines=(baseline,), choice="guard", learner=False)
     for tr, nodes in ((_trace(reqs), 1), (_overlapping(reqs), 3)):
         for pool in (4, 9):
-            kw = dict(experts=("lru",), baselines=(baseline,), choice="guard", learner=False)
             got = _evictions(monkeypatch, "kvlearn_experts", tr, pool, nodes, **kw)
             want = _evictions(monkeypatch, baseline, tr, pool, nodes)
             assert got == want and len(want[1]) > 20
     pol = ExpertKVLearn(_trace(reqs), COST, pool_blocks=4, **kw)
-    engine_cfg = engine.ServingConfig(pool_blocks=4)
     monkeypatch.setitem(policies_lib.REGISTRY, "kvlearn_experts", lambda *a, **k: pol)
-    engine.simulate(_trace(reqs), "kvlearn_experts", cfg=engine_cfg, cost=COST)
+    engine.simulate(_trace(reqs), "kvlearn_experts", cfg=engine.ServingConfig(4), cost=COST)
     assert pol.xs.backoff_requests == len(reqs) and not pol.pred.trained
 
 

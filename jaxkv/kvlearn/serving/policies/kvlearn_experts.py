@@ -57,10 +57,10 @@ al., CACHEUS, FAST 2021):
   ``slack=0`` a deficit is never repaid (backed off, the real pool saves what the baseline
   saves), so the learner leads only while it has never been behind: the safe end, where the
   pool is, after its first deficit, the best baseline's. Baselines may keep blocks as
-  independent keys (``lru``, ``s3fifo``: a shadow holds what the policy alone holds, tested);
-  the prefix-closed real pool then only approximates such a shadow. ``base_margin`` adds
-  hysteresis to the choice of baseline, ``window`` a second, recent-only test of the same rule
-  (both off by default).
+  independent keys (``lru``, ``s3fifo``, ``arc``, ``slru``, ``wtinylfu``: a shadow holds what
+  the policy alone holds, tested); the prefix-closed real pool then only approximates such a
+  shadow. ``base_margin`` adds hysteresis to the choice of baseline, ``window`` a second,
+  recent-only test of the same rule (both off by default).
 * **No learner** (``learner=False``, with ``"guard"`` and ``experts=("lru",)``): the real
   pool follows the baseline whose shadow has saved most so far from the first request, as a
   guard that always backs off: follow-the-leader over the baselines' shadows (the expert
