@@ -180,6 +180,10 @@ PROTOCOL_GRID = {
     "follow:all+ca2+ca4,s0.25": _follow(
         *_CA_DECAYS, "lfu", "s3fifo", "lru", "arc", "slru", "wtinylfu", size_power=0.25
     ),
+    # addendum 8: block KVLearn itself as one more shadow, followed only while it saves most
+    "follow:moon+ca+ca2+ca4+gdsf+lfu+s3+gd,s0.25": _follow(
+        *_CA_DECAYS, "lfu", "s3fifo", "gd", size_power=0.25
+    ),
 }
 # addendum 6's choice (session 32; before it, "guard:moon+ca+gdsf,0%", which every fold of the
 # fourth protocol run chose): results/kvlearn/confirm/PROTOCOL.md

@@ -486,17 +486,25 @@ def test_a_guard_that_always_backs_off_is_its_baseline(monkeypatch, baseline):
             assert got == want and len(want[1]) > 20
 
 
-@pytest.mark.parametrize("baseline", ["mooncake", "gdsf", "cost_aware"])
-def test_a_guard_with_no_learner_is_its_baseline(monkeypatch, baseline):
+@pytest.mark.parametrize(
+    "baseline, policy, options",
+    [
+        ("mooncake", "mooncake", {}),
+        ("gdsf", "gdsf", {}),
+        ("cost_aware", "cost_aware", {}),
+        ("gd", "kvlearn", {"retention": "gd", "write_cost": False}),  # block KVLearn itself
+    ],
+)
+def test_a_guard_with_no_learner_is_its_baseline(monkeypatch, baseline, policy, options):
     """``learner=False`` follows the best baseline from the first request: with one baseline
-    it is that classical policy event for event (hits and every eviction in order), on
-    sequential and on overlapping requests, and it never trains the PRP."""
+    it is that policy event for event (hits and every eviction in order), on sequential and on
+    overlapping requests, and it never trains the guard's own PRP."""
     reqs = _random_requests(5)
     kw = dict(experts=("lru",), baselines=(baseline,), choice="guard", learner=False)
     for tr, nodes in ((_trace(reqs), 1), (_overlapping(reqs), 3)):
         for pool in (4, 9):
             got = _evictions(monkeypatch, "kvlearn_experts", tr, pool, nodes, **kw)
-            want = _evictions(monkeypatch, baseline, tr, pool, nodes)
+            want = _evictions(monkeypatch, policy, tr, pool, nodes, **options)
             assert got == want and len(want[1]) > 20
     pol = ExpertKVLearn(_trace(reqs), COST, pool_blocks=4, **kw)
     monkeypatch.setitem(policies_lib.REGISTRY, "kvlearn_experts", lambda *a, **k: pol)

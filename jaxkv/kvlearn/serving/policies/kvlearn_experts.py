@@ -93,6 +93,7 @@ from __future__ import annotations
 import bisect
 import collections
 import dataclasses
+import functools
 import heapq
 import math
 from collections.abc import Callable
@@ -126,9 +127,17 @@ BASELINES = {
     "arc": ARC,
     "slru": SLRU,
     "wtinylfu": WTinyLFU,
+    "gd": functools.partial(BlockKVLearn, retention="gd", write_cost=False),
 }
-"""The classical block policies a guard can run in a shadow pool (``baselines``); a name may
-also be ``cost_aware@<s>``: ``cost_aware`` with its decay τ scaled by s (``tau_scale``)."""
+"""The block policies a guard can run in a shadow pool (``baselines``): classical ones, and
+``gd``, block KVLearn itself (GreedyDual retention with its PRP, no write-cost gate), which a
+guard with no learner (``learner=False``) follows only while its own pool has saved most. A
+name may also be ``cost_aware@<s>``: ``cost_aware`` with its decay τ scaled by s
+(``tau_scale``)."""
+SELECTIVE = ("gd",)
+"""Baselines that refuse blocks (GreedyDual's admission: a block enters only over a lower
+victim): while a guard follows one, the real pool admits only what its shadow holds (after the
+shadow's own store of the request); the others admit every block, and so does the real pool."""
 TAU_SEP = "@"
 
 
@@ -390,6 +399,8 @@ class ExpertKVLearn(BlockKVLearn):
         for k, name in enumerate(self.xcfg.baselines if guarded else (), start=1):
             pol = baseline_policy(name, trace, cost, pool_blocks=self.capacity)
             self.shadow_of[k] = ShadowPolicy(pol, trace.n_blocks)
+        self.selective = {k for k in self.shadow_of if self.xcfg.baselines[k - 1] in SELECTIVE}
+        """(``"guard"``) Leader indices of the baselines that refuse blocks (``SELECTIVE``)."""
         self.shadows = list(self.shadow_of.values())
         self.follow = self.xcfg.follow or guarded  # (``attach`` binds the shadows' hooks)
         self.request_blocks = trace.blocks
@@ -533,7 +544,8 @@ class ExpertKVLearn(BlockKVLearn):
         ``"guard"``, only while the learner leads)."""
         self.xs.parent = ROOT if j == 0 else int(self.request_blocks[i][j - 1])
         if self.xcfg.choice == "guard" and self.xs.leader != 0:
-            return True, None
+            k = self.xs.leader  # a baseline that refuses blocks: its shadow's admission
+            return k not in self.selective or bool(self.shadow_of[k].cache.res_view[b]), None
         p = self._p_hat_v[b]
         return bool(p >= self.cfg.theta and p * self._save[j] > self.costs.write_ms), None
 
