@@ -185,9 +185,10 @@ PROTOCOL_GRID = {
         *_CA_DECAYS, "lfu", "s3fifo", "gd", size_power=0.25
     ),
 }
-# addendum 6's choice (session 32; before it, "guard:moon+ca+gdsf,0%", which every fold of the
-# fourth protocol run chose): results/kvlearn/confirm/PROTOCOL.md
-CONFIRM_SETTING = "guard:moon+ca+ca2+ca4+gdsf+lfu+s3,0%,s0.25"
+# addendum 8's choice (session 33; before it addendum 6's "guard:moon+ca+ca2+ca4+gdsf+lfu+s3,0%,
+# s0.25", and "guard:moon+ca+gdsf,0%", which every fold of the fourth protocol run chose):
+# results/kvlearn/confirm/PROTOCOL.md
+CONFIRM_SETTING = "follow:moon+ca+ca2+ca4+gdsf+lfu+s3+gd,s0.25"
 GOAL_RATIO = 1.01  # the issue's bound on KVLearn / best classical, mean and p99, per cell
 LEARNED = ("kvlearn", "kvlearn_experts")  # never a baseline; ``kvlearn`` in the tables = chosen
 PROTOCOL_REQUESTS = {"chat": 6000, "agent": 3000, "rag": 6000}
