@@ -66,7 +66,10 @@ al., CACHEUS, FAST 2021):
   guard that always backs off: follow-the-leader over the baselines' shadows (the expert
   selection of LeCaR and CACHEUS, scored by the recompute each shadow saved), with no PRP
   trained. The learner cannot cost a loss it has not yet been caught at (the guard's first
-  deficit); each change of leader still inherits the pool the previous one built.
+  deficit); each change of leader still inherits the pool the previous one built. With ``gd``
+  among the baselines (block KVLearn in a pool of its own) the learned order leads only while
+  its own pool has saved most; while a guard follows a baseline that refuses blocks
+  (``SELECTIVE``) the real pool admits only what that shadow holds.
 * **Follow** (``follow=True``, with ``"shadow"``; always on with ``"guard"``): an expert with a
   shadow pool that takes over evicts first the real pool's leaves that its shadow does not
   hold (in the order the shadow let them go), so the real pool moves toward the contents the
