@@ -402,7 +402,11 @@ class ExpertKVLearn(BlockKVLearn):
         for k, name in enumerate(self.xcfg.baselines if guarded else (), start=1):
             pol = baseline_policy(name, trace, cost, pool_blocks=self.capacity)
             self.shadow_of[k] = ShadowPolicy(pol, trace.n_blocks)
-        self.selective = {k for k in self.shadow_of if self.xcfg.baselines[k - 1] in SELECTIVE}
+        self.selective = {
+            k
+            for k, name in enumerate(self.xcfg.baselines if guarded else (), start=1)
+            if name in SELECTIVE
+        }
         """(``"guard"``) Leader indices of the baselines that refuse blocks (``SELECTIVE``)."""
         self.shadows = list(self.shadow_of.values())
         self.follow = self.xcfg.follow or guarded  # (``attach`` binds the shadows' hooks)
