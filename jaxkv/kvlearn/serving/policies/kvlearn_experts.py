@@ -140,7 +140,10 @@ name may also be ``cost_aware@<s>``: ``cost_aware`` with its decay τ scaled by 
 SELECTIVE = ("gd",)
 """Baselines that refuse blocks (GreedyDual's admission: a block enters only over a lower
 victim): while a guard follows one, the real pool admits only what its shadow holds (after the
-shadow's own store of the request); the others admit every block, and so does the real pool."""
+shadow's own store of the request), which makes it that prefix-closed shadow exactly (tested).
+For every other baseline the real pool admits every block, as before ``gd`` existed: the
+independent-key ones (``wtinylfu``'s admission filter among them) are only approximated by a
+prefix-closed pool anyway, and their guards' decisions stay those already reported."""
 TAU_SEP = "@"
 
 
@@ -399,15 +402,13 @@ class ExpertKVLearn(BlockKVLearn):
         }
         """Leader index → its shadow pool (``"shadow"``: the experts; ``"guard"``: 1 + the
         baselines' indices)."""
+        self.selective: set[int] = set()
+        """(``"guard"``) Leader indices of the baselines that refuse blocks (``SELECTIVE``)."""
         for k, name in enumerate(self.xcfg.baselines if guarded else (), start=1):
             pol = baseline_policy(name, trace, cost, pool_blocks=self.capacity)
             self.shadow_of[k] = ShadowPolicy(pol, trace.n_blocks)
-        self.selective = {
-            k
-            for k, name in enumerate(self.xcfg.baselines if guarded else (), start=1)
-            if name in SELECTIVE
-        }
-        """(``"guard"``) Leader indices of the baselines that refuse blocks (``SELECTIVE``)."""
+            if name in SELECTIVE:
+                self.selective.add(k)
         self.shadows = list(self.shadow_of.values())
         self.follow = self.xcfg.follow or guarded  # (``attach`` binds the shadows' hooks)
         self.request_blocks = trace.blocks
