@@ -91,9 +91,11 @@ table after the second: a presentation of the same runs; the rule is unchanged).
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import json
 import math
+import multiprocessing
 import os
 import tempfile
 import time
@@ -236,6 +238,20 @@ def main() -> None:
     p.add_argument("--seeds", default="0,1,2", help="PRP seeds per variant for --tune")
     p.add_argument("--protocol", action="store_true", help="leave-one-workload-out protocol")
     p.add_argument(
+        "--protocol-seed",
+        type=int,
+        metavar="SEED",
+        help="--protocol on the four generated workloads made with SEED (and the shipped "
+        "trace) instead of the protocol's own seeds",
+    )
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="processes for --protocol, --confirm and --select (one per workload × pool cell "
+        "at a time; the same results)",
+    )
+    p.add_argument(
         "--confirm",
         type=int,
         metavar="SEED",
@@ -273,9 +289,14 @@ def main() -> None:
         help="fraction of the protocol's trace sizes (smoke tests; the results use 1)",
     )
     args = p.parse_args()
+    if args.jobs < 1:
+        p.error(f"--jobs must be at least 1, got {args.jobs}")
+    if args.protocol_seed is not None and not args.protocol:
+        p.error("--protocol-seed needs --protocol")
     cost = CostModel.llama3_8b_a100()
+    scale, jobs = args.protocol_scale, args.jobs
     if args.protocol:
-        return protocol(cost, Path(args.out), scale=args.protocol_scale)
+        return protocol(cost, Path(args.out), scale=scale, seed=args.protocol_seed, jobs=jobs)
     if args.protocol_report:
         return protocol_report(Path(args.protocol_report))
     if args.select is not None:
@@ -284,10 +305,10 @@ def main() -> None:
         bad = [c for c in names if c not in PROTOCOL_GRID]
         if bad or not names or not seeds:
             p.error(f"--select needs seeds and grid settings; unknown: {bad}")
-        return select(cost, Path(args.out), seeds=seeds, names=names, scale=args.protocol_scale)
+        return select(cost, Path(args.out), seeds=seeds, names=names, scale=scale, jobs=jobs)
     if args.confirm is not None:
         return confirm(
-            cost, Path(args.out), seed=args.confirm, setting=args.setting, scale=args.protocol_scale
+            cost, Path(args.out), seed=args.confirm, setting=args.setting, scale=scale, jobs=jobs
         )
     base = traces_lib.load_mooncake_trace(traces_lib.trace_path(args.trace))
     if args.speed:
@@ -448,11 +469,11 @@ def _loaded(records: list[dict]) -> traces_lib.MooncakeTrace:
 
 
 def protocol_workloads(
-    scale: float = 1.0, seed: int | None = None
+    scale: float = 1.0, seed: int | None = None, *, example: bool | None = None
 ) -> dict[str, traces_lib.MooncakeTrace]:
     """The five workloads of the protocol ({name: trace}); ``scale`` < 1 shrinks them. With
-    ``seed``: the four generated ones only (chat, agent, rag, the heavy MM-Session), each
-    generated with ``seed`` (``--confirm``)."""
+    ``seed``: the four generated ones (chat, agent, rag, the heavy MM-Session) each generated
+    with ``seed``, and the shipped trace only if ``example`` (default: without ``seed``)."""
     out = {}
     for kind, n in PROTOCOL_REQUESTS.items():
         gen = workloads.WORKLOADS[kind][0]
@@ -464,7 +485,7 @@ def protocol_workloads(
             max(20, int(scale * sessions)), seed=mm_seed if seed is None else seed, cfg=mm
         )
     )
-    if seed is None:
+    if seed is None if example is None else example:
         example = traces_lib.load_mooncake_trace(traces_lib.trace_path(TRACE))
         out["example"] = example.head(max(100, int(scale * len(example))))
     return out
@@ -484,15 +505,19 @@ def deployment(tr: traces_lib.MooncakeTrace, cost: CostModel, rho: float) -> tup
 
 
 def simulate_cells(
-    traces: dict[str, traces_lib.MooncakeTrace], cost: CostModel, settings: list[str], rho: float
+    traces: dict[str, traces_lib.MooncakeTrace],
+    cost: CostModel,
+    settings: list[str],
+    rho: float,
+    *,
+    jobs: int = 1,
 ) -> tuple[dict, dict]:
     """Every baseline and bound, and KVLearn with each grid setting, once on every workload ×
     pool, each workload deployed at ``rho`` (``deployment``): ({(workload, pool, run): summary},
-    {workload: size and deployment})."""
+    {workload: size and deployment}). ``jobs`` > 1 runs the workload × pool cells in that many
+    fresh processes (every simulation is deterministic: the same summaries, wall times aside)."""
     t_start = time.perf_counter()
-    baselines = [x for x in BLOCK_POLICIES if x not in LEARNED]
-    runs: dict[tuple, dict] = {}
-    info = {}
+    info, cells = {}, []
     for name, tr0 in traces.items():
         nodes, load = deployment(tr0, cost, rho)
         tr = tr0.scaled(load)
@@ -504,17 +529,45 @@ def simulate_cells(
             f"{nodes} prefill nodes, load {load:.3f}",
             flush=True,
         )
-        for frac in FRACS:
-            cfg = engine.ServingConfig(pool_blocks=int(frac * n_blk), prefill_nodes=nodes)
-            todo = [(b, b, {}) for b in baselines]
-            todo += [(f"kvlearn:{g}", *_grid_policy(PROTOCOL_GRID[g])) for g in settings]
-            for key, policy, kw in todo:
-                t0 = time.perf_counter()
-                r = _summary(tr, policy, cfg, cost, **kw) | {"wall_s": time.perf_counter() - t0}
-                runs[(name, frac, key)] = r | {"pool_blocks": cfg.pool_blocks}
-            elapsed = time.perf_counter() - t_start
-            print(f"  pool {frac:.0%} done ({elapsed:.0f} s)", flush=True)
-    return runs, info
+        cells += [(name, tr, frac, nodes) for frac in FRACS]
+    runs: dict[tuple, dict] = {}
+    done = lambda name, frac: print(
+        f"  {name} pool {frac:.0%} done ({time.perf_counter() - t_start:.0f} s)", flush=True
+    )
+    if jobs <= 1:
+        for name, tr, frac, nodes in cells:
+            runs |= cell_runs(name, tr, frac, nodes, cost, settings)
+            done(name, frac)
+        return runs, info
+    ctx = multiprocessing.get_context("spawn")  # JAX's threads do not survive a fork
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as ex:
+        todo = {ex.submit(cell_runs, *c[:4], cost, settings): c for c in cells}
+        for fut in concurrent.futures.as_completed(todo):
+            runs |= fut.result()
+            done(todo[fut][0], todo[fut][2])
+    order = {(c[0], c[2]): i for i, c in enumerate(cells)}  # the one-process order
+    return dict(sorted(runs.items(), key=lambda kv: order[kv[0][:2]])), info
+
+
+def cell_runs(
+    name: str,
+    tr: traces_lib.MooncakeTrace,
+    frac: float,
+    nodes: int,
+    cost: CostModel,
+    settings: list[str],
+) -> dict:
+    """One workload × pool cell of ``simulate_cells``: every baseline and bound, then each grid
+    setting ({(workload, pool, run): summary})."""
+    cfg = engine.ServingConfig(pool_blocks=int(frac * _distinct(tr)), prefill_nodes=nodes)
+    todo = [(b, b, {}) for b in BLOCK_POLICIES if b not in LEARNED]
+    todo += [(f"kvlearn:{g}", *_grid_policy(PROTOCOL_GRID[g])) for g in settings]
+    runs = {}
+    for key, policy, kw in todo:
+        t0 = time.perf_counter()
+        r = _summary(tr, policy, cfg, cost, **kw) | {"wall_s": time.perf_counter() - t0}
+        runs[(name, frac, key)] = r | {"pool_blocks": cfg.pool_blocks}
+    return runs
 
 
 def _meta(rho: float, scale: float, info: dict, t_start: float) -> dict:
@@ -538,18 +591,22 @@ def _rho(cost: CostModel) -> float:
     return _busy(traces_lib.load_mooncake_trace(traces_lib.trace_path(TRACE)), cost) / REF_NODES
 
 
-def protocol(cost: CostModel, out: Path, *, scale: float) -> None:
+def protocol(
+    cost: CostModel, out: Path, *, scale: float, seed: int | None = None, jobs: int = 1
+) -> None:
     """Leave-one-workload-out: every policy and every ``PROTOCOL_GRID`` setting once on every
     workload × pool, then one fold per held-out workload (``protocol_fold``); writes
-    protocol.json and protocol.md."""
+    protocol.json and protocol.md. ``seed``: the four generated workloads made with it (the
+    shipped trace beside them), instead of the protocol's own."""
     t_start = time.perf_counter()
     classical = [c for c in CLASSICAL if c in BLOCK_POLICIES]
     rho = _rho(cost)
     print(f"registry: {', '.join(BLOCK_POLICIES)}; classical: {', '.join(classical)}")
     print(f"rho* = {rho:.3f}; grid: {', '.join(PROTOCOL_GRID)}", flush=True)
-    runs, info = simulate_cells(protocol_workloads(scale), cost, list(PROTOCOL_GRID), rho)
+    traces = protocol_workloads(scale, seed, example=True)
+    runs, info = simulate_cells(traces, cost, list(PROTOCOL_GRID), rho, jobs=jobs)
     folds = [protocol_fold(w, list(info), runs, classical) for w in info]
-    meta = _meta(rho, scale, info, t_start)
+    meta = _meta(rho, scale, info, t_start) | {"seed": seed}
     table = [{"workload": k[0], "pool_frac": k[1], "run": k[2]} | v for k, v in runs.items()]
     out.mkdir(parents=True, exist_ok=True)
     summary = protocol_summary(folds)
@@ -561,7 +618,9 @@ def protocol(cost: CostModel, out: Path, *, scale: float) -> None:
     print(f"wrote {out / 'protocol.json'} and protocol.md ({meta['total_s']:.0f} s)")
 
 
-def confirm(cost: CostModel, out: Path, *, seed: int, setting: str, scale: float) -> None:
+def confirm(
+    cost: CostModel, out: Path, *, seed: int, setting: str, scale: float, jobs: int = 1
+) -> None:
     """The fixed grid ``setting`` once on the four generated workloads made with a fresh
     ``seed`` (``protocol_workloads(seed=...)``), deployed as the protocol deploys them, beside
     every baseline and bound: every cell is a held-out cell (nothing is chosen). Writes
@@ -569,7 +628,8 @@ def confirm(cost: CostModel, out: Path, *, seed: int, setting: str, scale: float
     t_start = time.perf_counter()
     classical = [c for c in CLASSICAL if c in BLOCK_POLICIES]
     rho = _rho(cost)
-    runs, info = simulate_cells(protocol_workloads(scale, seed=seed), cost, [setting], rho)
+    traces = protocol_workloads(scale, seed=seed)
+    runs, info = simulate_cells(traces, cost, [setting], rho, jobs=jobs)
     folds = [
         {"held_out": w, "chosen": setting, "cells": held_cells(w, runs, classical, setting)}
         for w in info
@@ -594,7 +654,15 @@ SELECT_CANDIDATES = (  # session 32's development grid (results/kvlearn/confirm/
 )
 
 
-def select(cost: CostModel, out: Path, *, seeds: list[int], names: list[str], scale: float):
+def select(
+    cost: CostModel,
+    out: Path,
+    *,
+    seeds: list[int],
+    names: list[str],
+    scale: float,
+    jobs: int = 1,
+):
     """Development selection on seeds runs have read: for each seed, the ``names`` grid settings
     and every baseline once on the four generated workloads (deployed as ``--confirm`` deploys
     them), each cell's (mean, p99) ratios to the best classical policy in select_seed<SEED>.json;
@@ -604,7 +672,7 @@ def select(cost: CostModel, out: Path, *, seeds: list[int], names: list[str], sc
     out.mkdir(parents=True, exist_ok=True)
     for seed in seeds:
         traces = protocol_workloads(scale, seed=seed)
-        runs, _ = simulate_cells(traces, cost, names, rho)
+        runs, _ = simulate_cells(traces, cost, names, rho, jobs=jobs)
         ratios = {g: _tuning_ratios(runs, list(traces), g, classical) for g in names}
         doc = {"seed": seed, "workloads": list(traces), "pools": list(FRACS), "ratios": ratios}
         (out / f"select_seed{seed}.json").write_text(json.dumps(doc, indent=2))
@@ -851,9 +919,18 @@ def protocol_markdown(
     """The protocol's tables: one line per held-out cell, the tuning scores, (with ``runs``)
     every grid setting on every cell, every policy."""
     w = meta["workloads"]
+    seed = meta.get("seed")
+    flag = "--protocol" + (f" --protocol-seed {seed}" if seed is not None else "")
     lines = [
-        "Leave-one-workload-out protocol (`scripts/bench_kvlearn_serving.py --protocol`; rule in "
-        "its docstring). LLaMA-3-8B/A100 costs; each workload's prefill nodes and load scale "
+        f"Leave-one-workload-out protocol (`scripts/bench_kvlearn_serving.py {flag}`; rule in "
+        "its docstring"
+        + (
+            f"; chat, agent, rag and mmsession generated with seed {seed}, the shipped trace "
+            "as always"
+            if seed is not None
+            else ""
+        )
+        + "). LLaMA-3-8B/A100 costs; each workload's prefill nodes and load scale "
         f"put its no-cache utilisation at ρ* = {meta['rho_star']:.3f} (the shipped trace at "
         f"{meta['ref_nodes']} nodes). Pools: % of the workload's distinct blocks. Classical "
         f"baselines: {', '.join(meta['classical'])}"

@@ -3,6 +3,7 @@ workloads, every cell held out (a tiny scale; the reported run uses the protocol
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -79,3 +80,48 @@ def test_select_writes_every_candidates_ratios_per_seed(tmp_path):
     assert list(doc["ratios"]) == names
     assert all(len(r) == 4 * len(bench.FRACS) for r in doc["ratios"].values())
     assert "**chosen**" in (tmp_path / "select.md").read_text()
+
+
+def _no_wall(runs: dict) -> dict:
+    return {k: {m: v for m, v in r.items() if m != "wall_s"} for k, r in runs.items()}
+
+
+def test_simulate_cells_in_two_processes_gives_the_one_process_runs(monkeypatch):
+    # the spawned workers import the script by name, as they do when it runs as a script
+    monkeypatch.syspath_prepend(str(_SCRIPT.parent))
+    monkeypatch.setitem(sys.modules, "bench_kvlearn_serving", bench)
+    traces = bench.protocol_workloads(0.01, seed=997)
+    traces = {k: traces[k] for k in ("chat", "rag")}
+    cost, rho = bench.CostModel.llama3_8b_a100(), 0.7
+    grid = ["gd", "follow:moon+ca+ca2+ca4+gdsf+lfu+s3+gd,s0.25"]
+    one, info1 = bench.simulate_cells(traces, cost, grid, rho)
+    two, info2 = bench.simulate_cells(traces, cost, grid, rho, jobs=2)
+    assert info1 == info2
+    assert list(one) == list(two)  # the same order, so the same tables
+    assert _no_wall(one) == _no_wall(two)
+    assert len(one) == 2 * len(bench.FRACS) * (
+        len(grid) + sum(b not in bench.LEARNED for b in bench.BLOCK_POLICIES)
+    )
+
+
+def test_protocol_seed_keeps_the_shipped_trace_beside_the_seeded_workloads():
+    seeded = bench.protocol_workloads(0.01, seed=997, example=True)
+    assert list(seeded) == ["chat", "agent", "rag", "mmsession", "example"]
+    assert (
+        seeded["chat"].blocks[0].tolist()
+        == bench.protocol_workloads(0.01, seed=997)["chat"].blocks[0].tolist()
+    )
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--protocol", "--jobs", "0"], "--jobs must be at least 1"),
+        (["--protocol-seed", "5"], "--protocol-seed needs --protocol"),
+    ],
+)
+def test_cli_rejects_bad_protocol_flags(argv, message, monkeypatch, capsys):
+    monkeypatch.setattr("sys.argv", ["bench_kvlearn_serving.py", *argv])
+    with pytest.raises(SystemExit):
+        bench.main()
+    assert message in capsys.readouterr().err
