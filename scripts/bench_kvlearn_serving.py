@@ -387,9 +387,11 @@ def speed_one(
     """Times one simulation of the whole trace (25 % pool of its distinct blocks) by ``name``
     (a block policy or a ``PROTOCOL_GRID`` setting), the first in this process (so compilation
     is included); records it under (trace, name) in serving_speed_one.json: wall and CPU time
-    of this process (all its threads: on a shared machine the wall time also counts waiting)."""
+    of this process (all its threads: on a shared machine the wall time also counts waiting)
+    and ``host_probe`` beside them, so that runs on different hosts can be compared."""
     policy, kw = _grid_policy(PROTOCOL_GRID[name]) if name in PROTOCOL_GRID else (name, {})
     cfg = engine.ServingConfig(pool_blocks=int(0.25 * _distinct(tr)), prefill_nodes=nodes)
+    probe = host_probe()
     load = os.getloadavg()[0]
     t0, c0 = time.perf_counter(), time.process_time()
     engine.simulate(tr, policy, cfg=cfg, cost=cost, **kw)
@@ -397,7 +399,7 @@ def speed_one(
     blocks = sum(len(b) for b in tr.blocks)
     print(
         f"{name}: {wall:.2f} s, CPU {cpu:.2f} s ({len(tr)} requests, {blocks} block accesses, "
-        f"load {load:.2f})"
+        f"load {load:.2f}; host probe {probe:.2f} s)"
     )
     path = out / "serving_speed_one.json"
     doc = json.loads(path.read_text()) if path.exists() else {}
@@ -408,9 +410,20 @@ def speed_one(
         "wall_s": wall,
         "cpu_s": cpu,
         "load_1min": load,
+        "host_probe_s": probe,
     }
     out.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=2))
+
+
+def host_probe() -> float:
+    """Seconds for 10^7 additions in a pure-Python loop: how fast this host runs the
+    simulator's kind of code (one thread of interpreted Python). Session 34's host: 1.04 s;
+    the simulator's times scale with it far more than with numpy's."""
+    t0, s = time.perf_counter(), 0
+    for i in range(10_000_000):
+        s += i
+    return time.perf_counter() - t0
 
 
 def tuning_split(tr: traces_lib.MooncakeTrace, nodes: int) -> dict:

@@ -125,3 +125,14 @@ def test_cli_rejects_bad_protocol_flags(argv, message, monkeypatch, capsys):
     with pytest.raises(SystemExit):
         bench.main()
     assert message in capsys.readouterr().err
+
+
+def test_speed_one_records_the_run_and_the_host_probe(tmp_path):
+    tr = bench.traces_lib.load_mooncake_trace(bench.traces_lib.trace_path(bench.TRACE)).head(200)
+    cost = bench.CostModel.llama3_8b_a100()
+    bench.speed_one(tr, "example", "lru", cost, 24, tmp_path)
+    bench.speed_one(tr, "example", "gd", cost, 24, tmp_path)
+    doc = json.loads((tmp_path / "serving_speed_one.json").read_text())
+    assert list(doc) == ["example | lru", "example | gd"]
+    for rec in doc.values():
+        assert rec["requests"] == 200 and rec["wall_s"] > 0 and rec["host_probe_s"] > 0
