@@ -8,9 +8,11 @@ Usage: python scripts/bench_kvlearn_serving.py [--trace PATH] [--out results/kvl
        python scripts/bench_kvlearn_serving.py --speed
        python scripts/bench_kvlearn_serving.py --tune '{"name": {kvlearn kwargs}, ...}'
            [--seeds 0,1,2]
-       python scripts/bench_kvlearn_serving.py --protocol [--protocol-scale 1] [--out DIR]
+       python scripts/bench_kvlearn_serving.py --protocol [--protocol-seed SEED] [--jobs 2]
+           [--protocol-scale 1] [--out DIR]
        python scripts/bench_kvlearn_serving.py --protocol-report results/kvlearn/protocol.json
-       python scripts/bench_kvlearn_serving.py --confirm SEED [--setting NAME] [--out DIR]
+       python scripts/bench_kvlearn_serving.py --confirm SEED [--setting NAME] [--jobs 2]
+           [--out DIR]
        python scripts/bench_kvlearn_serving.py --select SEEDS [--candidates 'A;B'] [--out DIR]
 
 Writes serving_goals.json and serving_goals.md. KVLearn's hyper-parameters are its defaults
@@ -66,6 +68,10 @@ selection rule.
   independent-key ``s3fifo``). They were designed after reading the third run's per-cell
   results, in which every workload is a tuning workload of four folds, and checked on the
   seed-1 development workloads of the guard (outside the protocol): ``docs/kvlearn.md``.
+  Fifth run (session 34; this rule, unchanged): the grid grown by the fresh-seed rounds of
+  sessions 28–33 (the entries below the fourth run's), on the protocol's own workloads and,
+  with ``--protocol-seed 4257``, on freshly generated ones beside the shipped trace
+  (``results/kvlearn/confirm/PROTOCOL.md``, addendum 9).
 * Rule for held-out workload W (third run; it reads p99 too): for each setting g, over the
   four other workloads × three pools, fails(g) = the cells where KVLearn_g's mean TTFT is more
   than 1.01 × the cell's best classical mean or its p99 more than 1.01 × the lowest classical
@@ -418,8 +424,8 @@ def speed_one(
 
 def host_probe() -> float:
     """Seconds for 10^7 additions in a pure-Python loop: how fast this host runs the
-    simulator's kind of code (one thread of interpreted Python). Session 34's host: 1.04 s;
-    the simulator's times scale with it far more than with numpy's."""
+    simulator's kind of code (one thread of interpreted Python). Session 34's host: 0.37–0.61
+    s between runs."""
     t0, s = time.perf_counter(), 0
     for i in range(10_000_000):
         s += i
@@ -498,9 +504,9 @@ def protocol_workloads(
             max(20, int(scale * sessions)), seed=mm_seed if seed is None else seed, cfg=mm
         )
     )
-    if seed is None if example is None else example:
-        example = traces_lib.load_mooncake_trace(traces_lib.trace_path(TRACE))
-        out["example"] = example.head(max(100, int(scale * len(example))))
+    if seed is None if example is None else example:  # example's default: seed is None
+        shipped = traces_lib.load_mooncake_trace(traces_lib.trace_path(TRACE))
+        out["example"] = shipped.head(max(100, int(scale * len(shipped))))
     return out
 
 
