@@ -197,6 +197,10 @@ PROTOCOL_GRID = {
 # s0.25", and "guard:moon+ca+gdsf,0%", which every fold of the fourth protocol run chose):
 # results/kvlearn/confirm/PROTOCOL.md
 CONFIRM_SETTING = "follow:moon+ca+ca2+ca4+gdsf+lfu+s3+gd,s0.25"
+# addendum 11 (session 34): the settings since addendum 6, whose shadows include mooncake,
+# cost_aware, gdsf, lfu and s3fifo; ``--grid covering`` restricts the protocol's choice to them
+_COVER = {"mooncake", "cost_aware", "gdsf", "lfu", "s3fifo"}
+COVERING_GRID = tuple(g for g, v in PROTOCOL_GRID.items() if _COVER <= set(v.get("baselines", ())))
 GOAL_RATIO = 1.01  # the issue's bound on KVLearn / best classical, mean and p99, per cell
 LEARNED = ("kvlearn", "kvlearn_experts")  # never a baseline; ``kvlearn`` in the tables = chosen
 PROTOCOL_REQUESTS = {"chat": 6000, "agent": 3000, "rag": 6000}
@@ -251,6 +255,13 @@ def main() -> None:
         "trace) instead of the protocol's own seeds",
     )
     p.add_argument(
+        "--grid",
+        default="all",
+        help="the settings --protocol chooses among: 'all' (PROTOCOL_GRID), 'covering' "
+        "(COVERING_GRID: shadows of mooncake, cost_aware, gdsf, lfu and s3fifo), or names "
+        "separated by ';'",
+    )
+    p.add_argument(
         "--jobs",
         type=int,
         default=1,
@@ -299,10 +310,17 @@ def main() -> None:
         p.error(f"--jobs must be at least 1, got {args.jobs}")
     if args.protocol_seed is not None and not args.protocol:
         p.error("--protocol-seed needs --protocol")
+    if args.grid != "all" and not args.protocol:
+        p.error("--grid needs --protocol")
+    named = {"all": list(PROTOCOL_GRID), "covering": list(COVERING_GRID)}
+    grid = named.get(args.grid) or [g for g in args.grid.split(";") if g]
+    if not grid or any(g not in PROTOCOL_GRID for g in grid):
+        p.error(f"--grid: unknown settings {[g for g in grid if g not in PROTOCOL_GRID]}")
     cost = CostModel.llama3_8b_a100()
     scale, jobs = args.protocol_scale, args.jobs
     if args.protocol:
-        return protocol(cost, Path(args.out), scale=scale, seed=args.protocol_seed, jobs=jobs)
+        seed = args.protocol_seed
+        return protocol(cost, Path(args.out), scale=scale, seed=seed, jobs=jobs, grid=grid)
     if args.protocol_report:
         return protocol_report(Path(args.protocol_report))
     if args.select is not None:
@@ -589,7 +607,9 @@ def cell_runs(
     return runs
 
 
-def _meta(rho: float, scale: float, info: dict, t_start: float) -> dict:
+def _meta(
+    rho: float, scale: float, info: dict, t_start: float, grid: list[str] | None = None
+) -> dict:
     return {
         "rho_star": rho,
         "ref_nodes": REF_NODES,
@@ -597,7 +617,7 @@ def _meta(rho: float, scale: float, info: dict, t_start: float) -> dict:
         "registry": list(BLOCK_POLICIES),
         "classical": [c for c in CLASSICAL if c in BLOCK_POLICIES],
         "missing_classical": [c for c in CLASSICAL if c not in BLOCK_POLICIES],
-        "grid": PROTOCOL_GRID,
+        "grid": {g: PROTOCOL_GRID[g] for g in grid or PROTOCOL_GRID},
         "workloads": info,
         "cost": "llama3-8b-a100",
         "pool_fracs": list(FRACS),
@@ -611,21 +631,28 @@ def _rho(cost: CostModel) -> float:
 
 
 def protocol(
-    cost: CostModel, out: Path, *, scale: float, seed: int | None = None, jobs: int = 1
+    cost: CostModel,
+    out: Path,
+    *,
+    scale: float,
+    seed: int | None = None,
+    jobs: int = 1,
+    grid: list[str] | None = None,
 ) -> None:
-    """Leave-one-workload-out: every policy and every ``PROTOCOL_GRID`` setting once on every
-    workload × pool, then one fold per held-out workload (``protocol_fold``); writes
-    protocol.json and protocol.md. ``seed``: the four generated workloads made with it (the
-    shipped trace beside them), instead of the protocol's own."""
+    """Leave-one-workload-out: every policy and every ``grid`` setting (default: all of
+    ``PROTOCOL_GRID``) once on every workload × pool, then one fold per held-out workload
+    (``protocol_fold``); writes protocol.json and protocol.md. ``seed``: the four generated
+    workloads made with it (the shipped trace beside them), instead of the protocol's own."""
+    grid = list(grid or PROTOCOL_GRID)
     t_start = time.perf_counter()
     classical = [c for c in CLASSICAL if c in BLOCK_POLICIES]
     rho = _rho(cost)
     print(f"registry: {', '.join(BLOCK_POLICIES)}; classical: {', '.join(classical)}")
-    print(f"rho* = {rho:.3f}; grid: {', '.join(PROTOCOL_GRID)}", flush=True)
+    print(f"rho* = {rho:.3f}; grid: {', '.join(grid)}", flush=True)
     traces = protocol_workloads(scale, seed, example=True)
-    runs, info = simulate_cells(traces, cost, list(PROTOCOL_GRID), rho, jobs=jobs)
-    folds = [protocol_fold(w, list(info), runs, classical) for w in info]
-    meta = _meta(rho, scale, info, t_start) | {"seed": seed}
+    runs, info = simulate_cells(traces, cost, grid, rho, jobs=jobs)
+    folds = [protocol_fold(w, list(info), runs, classical, grid) for w in info]
+    meta = _meta(rho, scale, info, t_start, grid) | {"seed": seed}
     table = [{"workload": k[0], "pool_frac": k[1], "run": k[2]} | v for k, v in runs.items()]
     out.mkdir(parents=True, exist_ok=True)
     summary = protocol_summary(folds)
@@ -800,25 +827,27 @@ def _rule(ratios: list) -> tuple[int, float]:
     return fails, float(np.mean([(m + p) / 2 for m, p in ratios]))
 
 
-def protocol_fold(held: str, names: list[str], runs: dict, classical: list[str]) -> dict:
-    """The fold holding out ``held``: the setting chosen on the other workloads, then ``held``'s
-    cells (every policy; ``kvlearn`` = the chosen setting)."""
+def protocol_fold(
+    held: str, names: list[str], runs: dict, classical: list[str], grid: list[str]
+) -> dict:
+    """The fold holding out ``held``: the ``grid`` setting chosen on the other workloads, then
+    ``held``'s cells (every policy; ``kvlearn`` = the chosen setting)."""
     others = [w for w in names if w != held]
-    rule = {g: _tuning_score(runs, others, g, classical) for g in PROTOCOL_GRID}
-    chosen = min(PROTOCOL_GRID, key=lambda g: rule[g])  # ties: grid order (min is stable)
-    held_rule = {g: _tuning_score(runs, [held], g, classical) for g in PROTOCOL_GRID}
-    scores = {g: rule[g][1] for g in PROTOCOL_GRID}
-    hindsight = {g: held_rule[g][1] for g in PROTOCOL_GRID}
+    rule = {g: _tuning_score(runs, others, g, classical) for g in grid}
+    chosen = min(grid, key=lambda g: rule[g])  # ties: grid order (min is stable)
+    held_rule = {g: _tuning_score(runs, [held], g, classical) for g in grid}
+    scores = {g: rule[g][1] for g in grid}
+    hindsight = {g: held_rule[g][1] for g in grid}
     cells = held_cells(held, runs, classical, chosen)
     return {
         "held_out": held,
         "tuned_on": others,
         "scores": scores,
-        "fails": {g: rule[g][0] for g in PROTOCOL_GRID},
+        "fails": {g: rule[g][0] for g in grid},
         "chosen": chosen,
         "hindsight_scores": hindsight,
-        "hindsight_fails": {g: held_rule[g][0] for g in PROTOCOL_GRID},
-        "hindsight_best": min(PROTOCOL_GRID, key=lambda g: held_rule[g]),
+        "hindsight_fails": {g: held_rule[g][0] for g in grid},
+        "hindsight_best": min(grid, key=lambda g: held_rule[g]),
         "cells": cells,
     }
 

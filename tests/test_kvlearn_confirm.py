@@ -118,6 +118,8 @@ def test_protocol_seed_keeps_the_shipped_trace_beside_the_seeded_workloads():
     [
         (["--protocol", "--jobs", "0"], "--jobs must be at least 1"),
         (["--protocol-seed", "5"], "--protocol-seed needs --protocol"),
+        (["--grid", "covering"], "--grid needs --protocol"),
+        (["--protocol", "--grid", "gd;nope"], "--grid: unknown settings ['nope']"),
     ],
 )
 def test_cli_rejects_bad_protocol_flags(argv, message, monkeypatch, capsys):
@@ -136,3 +138,26 @@ def test_speed_one_records_the_run_and_the_host_probe(tmp_path):
     assert list(doc) == ["example | lru", "example | gd"]
     for rec in doc.values():
         assert rec["requests"] == 200 and rec["wall_s"] > 0 and rec["host_probe_s"] > 0
+
+
+def test_protocol_chooses_only_among_its_grid(tmp_path):
+    cost = bench.CostModel.llama3_8b_a100()
+    grid = ["gd", "follow:moon+ca+ca2+ca4+gdsf+lfu+s3+gd,s0.25"]
+    bench.protocol(cost, tmp_path, scale=0.01, seed=997, grid=grid)
+    doc = json.loads((tmp_path / "protocol.json").read_text())
+    assert list(doc["config"]["grid"]) == grid and doc["config"]["seed"] == 997
+    assert [f["held_out"] for f in doc["folds"]] == ["chat", "agent", "rag", "mmsession", "example"]
+    for fold in doc["folds"]:
+        assert list(fold["fails"]) == grid and fold["chosen"] in grid
+    runs = {r["run"] for r in doc["runs"]}
+    assert {f"kvlearn:{g}" for g in grid} <= runs
+    assert not any(r.startswith("kvlearn:") and r[8:] not in grid for r in runs)
+
+
+def test_covering_grid_holds_the_settings_with_every_covering_shadow():
+    assert bench.CONFIRM_SETTING in bench.COVERING_GRID
+    assert "guard:moon+ca+gdsf,0%" not in bench.COVERING_GRID  # no lfu, no s3fifo
+    for g in bench.COVERING_GRID:
+        assert {"mooncake", "cost_aware", "gdsf", "lfu", "s3fifo"} <= set(
+            bench.PROTOCOL_GRID[g]["baselines"]
+        )
