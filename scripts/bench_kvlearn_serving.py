@@ -9,7 +9,7 @@ Usage: python scripts/bench_kvlearn_serving.py [--trace PATH] [--out results/kvl
        python scripts/bench_kvlearn_serving.py --tune '{"name": {kvlearn kwargs}, ...}'
            [--seeds 0,1,2]
        python scripts/bench_kvlearn_serving.py --protocol [--protocol-seed SEED] [--jobs 2]
-           [--protocol-scale 1] [--out DIR]
+           [--grid all|covering|'A;B'] [--protocol-scale 1] [--out DIR]
        python scripts/bench_kvlearn_serving.py --protocol-report results/kvlearn/protocol.json
        python scripts/bench_kvlearn_serving.py --confirm SEED [--setting NAME] [--jobs 2]
            [--out DIR]
@@ -71,7 +71,8 @@ selection rule.
   Fifth run (session 34; this rule, unchanged): the grid grown by the fresh-seed rounds of
   sessions 28–33 (the entries below the fourth run's), on the protocol's own workloads and,
   with ``--protocol-seed 4257``, on freshly generated ones beside the shipped trace
-  (``results/kvlearn/confirm/PROTOCOL.md``, addendum 9).
+  (``results/kvlearn/confirm/PROTOCOL.md``, addendum 9); with ``--grid covering`` the folds
+  choose among ``COVERING_GRID`` only (addendum 11, fresh seed 4261).
 * Rule for held-out workload W (third run; it reads p99 too): for each setting g, over the
   four other workloads × three pools, fails(g) = the cells where KVLearn_g's mean TTFT is more
   than 1.01 × the cell's best classical mean or its p99 more than 1.01 × the lowest classical
