@@ -97,12 +97,17 @@ def contributions(p_parts, w_BT3: jax.Array, names=STAT_NAMES) -> tuple[dict, ..
     entropy_BKGT = None
     if "recent_ent" in names:
         entropy_BKGT = functools.reduce(jnp.add, [entropy(p) for p in p_parts])
-    return tuple(_part_contributions(p, w_BT3, entropy_BKGT, names) for p in p_parts)
+    # every part or none as one slab: a slab for the new token beside a cache part above
+    # MAX_SLAB cost ~10 ms per decode step at batch 8 x 2145 slots (``_decode_slab``)
+    slab = len(names) > 1 and all(
+        p.shape[3] == 1 and p.shape[0] * p.shape[1] * p.shape[4] <= MAX_SLAB for p in p_parts
+    )
+    return tuple(_part_contributions(p, w_BT3, entropy_BKGT, names, slab) for p in p_parts)
 
 
-def _part_contributions(p_BKGTS, w_BT3, entropy_BKGT, names) -> dict:
+def _part_contributions(p_BKGTS, w_BT3, entropy_BKGT, names, slab: bool) -> dict:
     B, K, _, T, S = p_BKGTS.shape
-    if T == 1 and len(names) > 1 and B * K * S <= MAX_SLAB:
+    if slab:
         return _decode_slab(p_BKGTS[:, :, :, 0], w_BT3[:, 0], entropy_BKGT, names)
     per_head = {}  # channel -> [B, K, G, S]: sum over queries of weight * probability
 
@@ -139,8 +144,10 @@ def _decode_slab(p_BKGS, w_B3, entropy_BKGT, names) -> dict:
     and reads ``p`` once per statistic. Measured with all six statistics in fused decode
     loops, paired in turns (``scripts/profile_decode.py stats``): batch 8 x 1105 slots
     0.33-0.71x the statistics' time (five runs); 8 x 552 and 1 x 4160 no difference; 8 x 2145
-    (above ``MAX_SLAB``) 1.3-1.5x, so larger rows keep one product per weight channel. The
-    values are the same either way, bit for bit."""
+    (above ``MAX_SLAB``) 1.3-1.5x, so larger rows keep one product per weight channel, and
+    so does their new token's part (``contributions``: until session 34 that part alone was a
+    slab, which doubled the statistics' time at 8 x 2145, +19-23 ms against +9-12 ms a step).
+    The values are the same either way, bit for bit."""
     kind = {"attn_sq": "sq", "recent_ent": "ent"}
     products = {
         "p": lambda: p_BKGS,

@@ -638,17 +638,37 @@ class FusedDecoder:
         self.cache = jax.block_until_ready(self.fn(self.cache))
 
 
+def _s33_contributions(p_parts, w_BT3, names=kvcache.STAT_NAMES):
+    """``stats.contributions`` before session 34: each key part chose the slab alone, so a new
+    token's part was a slab beside a cache part above ``MAX_SLAB``."""
+    names = [n for n in names if n in attn_stats.ATTENTION_STATS]
+    p_parts = [p.astype(jnp.float32) for p in p_parts]
+    ent = None
+    if "recent_ent" in names:
+        ent = functools.reduce(jnp.add, [attn_stats.entropy(p) for p in p_parts])
+
+    def part(p):
+        B, K, _, T, S = p.shape
+        slab = T == 1 and len(names) > 1 and B * K * S <= attn_stats.MAX_SLAB
+        return attn_stats._part_contributions(p, w_BT3, ent, names, slab)
+
+    return tuple(part(p) for p in p_parts)
+
+
 def stats_cost(model, batch, slots, capacity, steps, stat_sets, reps):
     """ms per decode step of fused loops whose caches carry each statistic set (name ->
-    names; ``()`` none), with the library's statistics and (``s29:`` rows) the path before
+    names; ``()`` none), with the library's statistics, (``s29:`` rows) the path before
     session 30 (``stats.MAX_SLAB`` = 0: one product per weight channel, each statistic its own
-    fusion), in turns: {row: (median ms, median of paired ms over the ``none`` row)}."""
+    fusion) and (``s33:`` rows) the one before session 34 (``_s33_contributions``), in turns:
+    {row: (median ms, median of paired ms over the ``none`` row)}."""
     fns = {}
     for name, names in stat_sets.items():
         fns[name] = FusedDecoder(model, batch, slots, capacity, steps, names)
         if names:
             with _patched(attn_stats, "MAX_SLAB", 0):  # one product per channel, as before
                 fns[f"s29:{name}"] = FusedDecoder(model, batch, slots, capacity, steps, names)
+            with _patched(attn_stats, "contributions", _s33_contributions):
+                fns[f"s33:{name}"] = FusedDecoder(model, batch, slots, capacity, steps, names)
     t = {k: [x / steps for x in v] for k, v in in_turns(fns, reps).items()}
     base = next(k for k, names in stat_sets.items() if not names)
     return {

@@ -182,6 +182,22 @@ def test_decode_contributions_equal_each_channels_product_bit_for_bit(names, max
             assert not np.any(np.asarray(out[n])[1])  # the padding query adds nothing
 
 
+@pytest.mark.parametrize("max_slab", [0, 3 * 2 * 1, 3 * 2 * 7 - 1, 3 * 2 * 7])
+def test_decode_slab_takes_every_part_or_none(max_slab, monkeypatch):
+    """The cache slots and the new token go through the slab together or not at all: a cache
+    part above ``MAX_SLAB`` keeps its new token's part off the slab too (mixing the paths cost
+    ~10 ms a step at batch 8 x 2145 slots)."""
+    monkeypatch.setattr(stats, "MAX_SLAB", max_slab)
+    calls = []
+    slab = stats._decode_slab
+    monkeypatch.setattr(stats, "_decode_slab", lambda *a: calls.append(1) or slab(*a))
+    rng = np.random.default_rng(4)
+    parts = [jax.nn.softmax(jnp.asarray(rng.normal(size=(3, 2, 3, 1, n))), axis=-1) for n in (7, 1)]
+    w = stats.query_weights(jnp.array([[9], [2], [4]], jnp.int32), window=5)
+    stats.contributions(parts, w, kvcache.STAT_NAMES)
+    assert len(calls) == (2 if max_slab >= 3 * 2 * 7 else 0)
+
+
 def _reference_drops(scores, pos, keep, max_drop, keep_rows):
     """Each row's min(occupied - keep, max_drop) lowest-scored occupied slots, ties to the
     lower slot, written out (+-0.0 compare equal, as in a sort by value)."""
