@@ -146,7 +146,7 @@ def _decode_slab(p_BKGS, w_B3, entropy_BKGT, names) -> dict:
     0.33-0.71x the statistics' time (five runs); 8 x 552 and 1 x 4160 no difference; 8 x 2145
     (above ``MAX_SLAB``) 1.3-1.5x, so larger rows keep one product per weight channel, and
     so does their new token's part (``contributions``: until session 34 that part alone was a
-    slab, which doubled the statistics' time at 8 x 2145, +19-23 ms against +9-12 ms a step).
+    slab, which cost +19-23 ms a step at 8 x 2145 against +9-15 ms without it).
     The values are the same either way, bit for bit."""
     kind = {"attn_sq": "sq", "recent_ent": "ent"}
     products = {
