@@ -106,7 +106,7 @@ def contributions(p_parts, w_BT3: jax.Array, names=STAT_NAMES) -> tuple[dict, ..
 
 
 def _part_contributions(p_BKGTS, w_BT3, entropy_BKGT, names, slab: bool) -> dict:
-    B, K, _, T, S = p_BKGTS.shape
+    T = p_BKGTS.shape[3]
     if slab:
         return _decode_slab(p_BKGTS[:, :, :, 0], w_BT3[:, 0], entropy_BKGT, names)
     per_head = {}  # channel -> [B, K, G, S]: sum over queries of weight * probability

@@ -32,7 +32,8 @@ picks the rows. ``--dtype out-first`` compares float32 weights in the canonical 
 with the values as the cache stores them (slots before the head dimension) against a
 slots-last layout (fused matrix-vector loops, as q.k), in turns. ``stats`` times fused
 decode loops whose caches carry no statistics, the policy's (all six by default) and H2O's,
-with the library's statistics path and the one before session 30 (``s29:``), in turns.
+with the library's statistics path, the one before session 30 (``s29:``) and the one
+before session 34 (``s33:``), in turns.
 """
 
 from __future__ import annotations
