@@ -97,12 +97,21 @@ def contributions(p_parts, w_BT3: jax.Array, names=STAT_NAMES) -> tuple[dict, ..
     entropy_BKGT = None
     if "recent_ent" in names:
         entropy_BKGT = functools.reduce(jnp.add, [entropy(p) for p in p_parts])
-    # every part or none as one slab: a slab for the new token beside a cache part above
-    # MAX_SLAB cost ~10 ms per decode step at batch 8 x 2145 slots (``_decode_slab``)
-    slab = len(names) > 1 and all(
+    slabs = _slab_parts(p_parts, names)
+    return tuple(
+        _part_contributions(p, w_BT3, entropy_BKGT, names, slab)
+        for p, slab in zip(p_parts, slabs, strict=True)
+    )
+
+
+def _slab_parts(p_parts, names) -> list[bool]:
+    """Which key parts of one pass go through ``_decode_slab``: every part or none (a slab for
+    the new token beside a cache part above ``MAX_SLAB`` cost ~10 ms per decode step at batch
+    8 x 2145 slots)."""
+    ok = len(names) > 1 and all(
         p.shape[3] == 1 and p.shape[0] * p.shape[1] * p.shape[4] <= MAX_SLAB for p in p_parts
     )
-    return tuple(_part_contributions(p, w_BT3, entropy_BKGT, names, slab) for p in p_parts)
+    return [ok] * len(p_parts)
 
 
 def _part_contributions(p_BKGTS, w_BT3, entropy_BKGT, names, slab: bool) -> dict:

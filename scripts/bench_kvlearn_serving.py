@@ -523,7 +523,9 @@ def protocol_workloads(
             max(20, int(scale * sessions)), seed=mm_seed if seed is None else seed, cfg=mm
         )
     )
-    if seed is None if example is None else example:  # example's default: seed is None
+    if example is None:
+        example = seed is None
+    if example:
         shipped = traces_lib.load_mooncake_trace(traces_lib.trace_path(TRACE))
         out["example"] = shipped.head(max(100, int(scale * len(shipped))))
     return out
@@ -567,19 +569,19 @@ def simulate_cells(
             f"{nodes} prefill nodes, load {load:.3f}",
             flush=True,
         )
-        cells += [(name, tr, frac, nodes) for frac in FRACS]
+        cells += [(name, tr, frac, int(frac * n_blk), nodes) for frac in FRACS]
     runs: dict[tuple, dict] = {}
     done = lambda name, frac: print(
         f"  {name} pool {frac:.0%} done ({time.perf_counter() - t_start:.0f} s)", flush=True
     )
     if jobs <= 1:
-        for name, tr, frac, nodes in cells:
-            runs |= cell_runs(name, tr, frac, nodes, cost, settings)
-            done(name, frac)
+        for cell in cells:
+            runs |= cell_runs(*cell, cost, settings)
+            done(cell[0], cell[2])
         return runs, info
     ctx = multiprocessing.get_context("spawn")  # JAX's threads do not survive a fork
     with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as ex:
-        todo = {ex.submit(cell_runs, *c[:4], cost, settings): c for c in cells}
+        todo = {ex.submit(cell_runs, *c, cost, settings): c for c in cells}
         for fut in concurrent.futures.as_completed(todo):
             runs |= fut.result()
             done(todo[fut][0], todo[fut][2])
@@ -591,13 +593,15 @@ def cell_runs(
     name: str,
     tr: traces_lib.MooncakeTrace,
     frac: float,
+    pool_blocks: int,
     nodes: int,
     cost: CostModel,
     settings: list[str],
 ) -> dict:
-    """One workload × pool cell of ``simulate_cells``: every baseline and bound, then each grid
-    setting ({(workload, pool, run): summary})."""
-    cfg = engine.ServingConfig(pool_blocks=int(frac * _distinct(tr)), prefill_nodes=nodes)
+    """One workload × pool cell of ``simulate_cells`` (the pool ``frac`` of the distinct blocks
+    is ``pool_blocks``): every baseline and bound, then each grid setting ({(workload, pool,
+    run): summary})."""
+    cfg = engine.ServingConfig(pool_blocks=pool_blocks, prefill_nodes=nodes)
     todo = [(b, b, {}) for b in BLOCK_POLICIES if b not in LEARNED]
     todo += [(f"kvlearn:{g}", *_grid_policy(PROTOCOL_GRID[g])) for g in settings]
     runs = {}

@@ -639,28 +639,22 @@ class FusedDecoder:
         self.cache = jax.block_until_ready(self.fn(self.cache))
 
 
-def _s33_contributions(p_parts, w_BT3, names=kvcache.STAT_NAMES):
-    """``stats.contributions`` before session 34: each key part chose the slab alone, so a new
+def _s33_slab_parts(p_parts, names):
+    """``stats._slab_parts`` before session 34: each key part chose the slab alone, so a new
     token's part was a slab beside a cache part above ``MAX_SLAB``."""
-    names = [n for n in names if n in attn_stats.ATTENTION_STATS]
-    p_parts = [p.astype(jnp.float32) for p in p_parts]
-    ent = None
-    if "recent_ent" in names:
-        ent = functools.reduce(jnp.add, [attn_stats.entropy(p) for p in p_parts])
-
-    def part(p):
-        B, K, _, T, S = p.shape
-        slab = T == 1 and len(names) > 1 and B * K * S <= attn_stats.MAX_SLAB
-        return attn_stats._part_contributions(p, w_BT3, ent, names, slab)
-
-    return tuple(part(p) for p in p_parts)
+    return [
+        len(names) > 1
+        and p.shape[3] == 1
+        and math.prod(p.shape[i] for i in (0, 1, 4)) <= attn_stats.MAX_SLAB
+        for p in p_parts
+    ]
 
 
 def stats_cost(model, batch, slots, capacity, steps, stat_sets, reps):
     """ms per decode step of fused loops whose caches carry each statistic set (name ->
     names; ``()`` none), with the library's statistics, (``s29:`` rows) the path before
     session 30 (``stats.MAX_SLAB`` = 0: one product per weight channel, each statistic its own
-    fusion) and (``s33:`` rows) the one before session 34 (``_s33_contributions``), in turns:
+    fusion) and (``s33:`` rows) the one before session 34 (``_s33_slab_parts``), in turns:
     {row: (median ms, median of paired ms over the ``none`` row)}."""
     fns = {}
     for name, names in stat_sets.items():
@@ -668,7 +662,7 @@ def stats_cost(model, batch, slots, capacity, steps, stat_sets, reps):
         if names:
             with _patched(attn_stats, "MAX_SLAB", 0):  # one product per channel, as before
                 fns[f"s29:{name}"] = FusedDecoder(model, batch, slots, capacity, steps, names)
-            with _patched(attn_stats, "contributions", _s33_contributions):
+            with _patched(attn_stats, "_slab_parts", _s33_slab_parts):
                 fns[f"s33:{name}"] = FusedDecoder(model, batch, slots, capacity, steps, names)
     t = {k: [x / steps for x in v] for k, v in in_turns(fns, reps).items()}
     base = next(k for k, names in stat_sets.items() if not names)
