@@ -8,7 +8,7 @@
 # `select4` / `heldout4` round 4 (wider tiers; BBH 0.3125, data seed 10, left unread);
 # `heldout5` round 5 (the look-up blend of round 1, nothing chosen, on that same unread data);
 # `retrieval6` round 6 (both recommendations' retrieval, 16 prompts per cell, data seed 11);
-# `retrieval7` round 7 (the same on data seed 12).
+# `retrieval7` round 7 (the same on data seed 12); `retrieval8` round 8 (data seed 13).
 # Finished runs are skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -35,6 +35,9 @@ elif [[ ${1:-} == retrieval6 ]]; then  # round 6: retrieval alone, twice the pro
 elif [[ ${1:-} == retrieval7 ]]; then  # round 7: round 6 on a fresh data seed
   seed=12 out=$out/round7
   export RETRIEVAL_LIMIT=16
+elif [[ ${1:-} == retrieval8 ]]; then  # round 8: round 6 on another fresh data seed
+  seed=13 out=$out/round8
+  export RETRIEVAL_LIMIT=16
 fi
 heldout_retrieval() {  # CHOSEN SEED: the held-out retrieval runs of every round
   retrieval_runs "$out" "$2" "full,$1,$peak,h2o,critical:h2o,tova" tova,h2o,critical:h2o,snapkv
@@ -51,9 +54,9 @@ case "${1:-}" in
   heldout5)
     decode_heldout "$out" "blend@0.75:$peak+tova,$peak" "$bbh"
     heldout_retrieval "blend@0.75:$peak+tova" "$seed" ;;
-  retrieval6 | retrieval7)
+  retrieval6 | retrieval7 | retrieval8)
     heldout_retrieval "blend@0.75:$peak+tova" "$seed" ;;
   retrieval-only)  # PROTOCOL.md's addendum: the retrieval candidate, once, on data seed 8
     heldout_retrieval "blend@0.75:$peak+tova" 8 ;;
-  *) echo "usage: $0 select | heldout | retrieval-only | select2 | heldout2 | select3 | heldout3 | select4 | heldout4 | heldout5 | retrieval6 | retrieval7" >&2; exit 2 ;;
+  *) echo "usage: $0 select | heldout | retrieval-only | select2 | heldout2 | select3 | heldout3 | select4 | heldout4 | heldout5 | retrieval6 | retrieval7 | retrieval8" >&2; exit 2 ;;
 esac
