@@ -104,13 +104,18 @@ def contributions(p_parts, w_BT3: jax.Array, names=STAT_NAMES) -> tuple[dict, ..
     )
 
 
+def _slab_fits(p_BKGTS, names) -> bool:
+    """Whether one key part could go through ``_decode_slab``: a single query, more than one
+    statistic, at most ``MAX_SLAB`` elements per statistic."""
+    B, K, _, T, S = p_BKGTS.shape
+    return len(names) > 1 and T == 1 and B * K * S <= MAX_SLAB
+
+
 def _slab_parts(p_parts, names) -> list[bool]:
     """Which key parts of one pass go through ``_decode_slab``: every part or none (a slab for
     the new token beside a cache part above ``MAX_SLAB`` cost ~10 ms per decode step at batch
     8 x 2145 slots)."""
-    ok = len(names) > 1 and all(
-        p.shape[3] == 1 and p.shape[0] * p.shape[1] * p.shape[4] <= MAX_SLAB for p in p_parts
-    )
+    ok = all(_slab_fits(p, names) for p in p_parts)
     return [ok] * len(p_parts)
 
 

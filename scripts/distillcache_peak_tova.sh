@@ -29,14 +29,9 @@ elif [[ ${1:-} == *4 ]]; then  # round 4
   dev=dev4 seed=10 bbh=0.3125 out=$out/round4
 elif [[ ${1:-} == heldout5 ]]; then  # round 5: no selection, the look-up recommendation
   seed=10 bbh=0.3125 out=$out/round5
-elif [[ ${1:-} == retrieval6 ]]; then  # round 6: retrieval alone, twice the prompts
-  seed=11 out=$out/round6
-  export RETRIEVAL_LIMIT=16
-elif [[ ${1:-} == retrieval7 ]]; then  # round 7: round 6 on a fresh data seed
-  seed=12 out=$out/round7
-  export RETRIEVAL_LIMIT=16
-elif [[ ${1:-} == retrieval8 ]]; then  # round 8: round 6 on another fresh data seed
-  seed=13 out=$out/round8
+elif [[ ${1:-} == retrieval[678] ]]; then  # rounds 6-8: retrieval alone, twice the prompts,
+  round=${1#retrieval}                      # each on a fresh data seed (11, 12, 13)
+  seed=$((round + 5)) out=$out/round$round
   export RETRIEVAL_LIMIT=16
 fi
 heldout_retrieval() {  # CHOSEN SEED: the held-out retrieval runs of every round

@@ -642,12 +642,7 @@ class FusedDecoder:
 def _s33_slab_parts(p_parts, names):
     """``stats._slab_parts`` before session 34: each key part chose the slab alone, so a new
     token's part was a slab beside a cache part above ``MAX_SLAB``."""
-    return [
-        len(names) > 1
-        and p.shape[3] == 1
-        and math.prod(p.shape[i] for i in (0, 1, 4)) <= attn_stats.MAX_SLAB
-        for p in p_parts
-    ]
+    return [attn_stats._slab_fits(p, names) for p in p_parts]
 
 
 def stats_cost(model, batch, slots, capacity, steps, stat_sets, reps):
