@@ -20,6 +20,7 @@ from jaxkv.config import ModelConfig
 from jaxkv.eviction import Compression
 from jaxkv.kvcache import KVCache
 from jaxkv.model import decoder
+from jaxkv.topn import sort_desc
 
 PAD_MULTIPLE = 64  # prompts are padded to a multiple of this: fewer distinct compiled shapes
 
@@ -68,7 +69,7 @@ def sample(logits_BV: jax.Array, sampling: Sampling, *, key: jax.Array) -> jax.A
         return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
     logits = logits_BV / sampling.temperature
     if sampling.top_p < 1:
-        sorted_desc = jnp.sort(logits, axis=-1)[:, ::-1]
+        sorted_desc = sort_desc(logits)
         probs = jax.nn.softmax(sorted_desc, axis=-1)
         before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each candidate
         n_keep = jnp.sum(before < sampling.top_p, axis=-1, keepdims=True)

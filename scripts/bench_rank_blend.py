@@ -1,8 +1,10 @@
-"""``rerank.rank_blend`` (three row sorts) against the composition it replaced (six: ranks among
-the free slots, their mixed order, then ``transplant``), jitted, in turns, on the rows of a
-global decode-protocol eviction at batch 8 × 4K, r = 0.25 (30 layers × 8 × 3 KV heads, rows of
-up to 2·B = 2,082 slots). Same outputs bit for bit (checked here and in
-tests/test_policies_rerank.py). Prints medians and the median of the per-turn ratios.
+"""``rerank.rank_blend`` (three row sorts of packed integers, ``topn.lex_argsort``) against the
+same code with ``jnp.argsort``/``jnp.lexsort`` (its sorts before session 36) and against the
+composition it replaced (six row sorts: ranks among the free slots, their mixed order, then
+``transplant``), jitted, in turns, on the rows of a global decode-protocol eviction at batch
+8 × 4K, r = 0.25 (30 layers × 8 × 3 KV heads, rows of up to 2·B = 2,082 slots). Same outputs bit
+for bit (checked here and in tests/test_policies_rerank.py). Prints medians and the medians of
+the per-turn ratios to the first.
 
 Usage: python scripts/bench_rank_blend.py [--turns 15] [--weight 0.75] [--slots 2082]
 """
@@ -33,6 +35,26 @@ def rank_blend_by_transplant(alloc, other, valid, weight: float):
     return rerank_lib.transplant(alloc, order, valid)
 
 
+def jnp_sorts(fn):
+    """``fn`` traced with ``rerank``'s packed sorts swapped for ``jnp``'s comparison sorts."""
+
+    def lex_argsort(keys, bits):
+        return jnp.lexsort(tuple(reversed(keys)), axis=-1)
+
+    def argsort_desc(x):
+        return jnp.argsort(-x, axis=-1, stable=True)
+
+    def traced(*args):
+        packed = rerank_lib.lex_argsort, rerank_lib.argsort_desc
+        rerank_lib.lex_argsort, rerank_lib.argsort_desc = lex_argsort, argsort_desc
+        try:
+            return fn(*args)
+        finally:
+            rerank_lib.lex_argsort, rerank_lib.argsort_desc = packed
+
+    return traced
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--turns", type=int, default=15)
@@ -47,11 +69,17 @@ def main() -> None:
     valid = rng.random(shape) > 0.05
     args_ = tuple(jnp.asarray(x) for x in (alloc, other, valid))
     runs = {
-        "three sorts (rank_blend)": jax.jit(rerank_lib.rank_blend, static_argnums=3),
-        "six sorts (before)": jax.jit(rank_blend_by_transplant, static_argnums=3),
+        "three packed sorts (rank_blend)": jax.jit(rerank_lib.rank_blend, static_argnums=3),
+        "three jnp sorts (before session 36)": jax.jit(
+            jnp_sorts(rerank_lib.rank_blend), static_argnums=3
+        ),
+        "six jnp sorts (before session 26)": jax.jit(
+            jnp_sorts(rank_blend_by_transplant), static_argnums=3
+        ),
     }
     outs = [np.asarray(f(*args_, args.weight)) for f in runs.values()]  # compiles
-    np.testing.assert_array_equal(*outs)
+    for out in outs[1:]:
+        np.testing.assert_array_equal(outs[0], out)
     times: dict[str, list[float]] = {k: [] for k in runs}
     for _ in range(args.turns):
         for name, f in runs.items():
@@ -60,10 +88,11 @@ def main() -> None:
             times[name].append(1e3 * (time.perf_counter() - t0))
     for name, ts in times.items():
         print(f"{name}: median {statistics.median(ts):.1f} ms over {args.turns} turns")
-    new, old = times.values()
-    ratio = statistics.median(a / b for a, b in zip(new, old, strict=True))
-    load = os.getloadavg()[0]
-    print(f"per-turn ratio (three / six sorts): median {ratio:.2f} (1-minute load {load:.1f})")
+    first, *others = times
+    for name in others:
+        ratio = statistics.median(a / b for a, b in zip(times[first], times[name], strict=True))
+        print(f"per-turn ratio ({first} / {name}): median {ratio:.2f}")
+    print(f"1-minute load {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":

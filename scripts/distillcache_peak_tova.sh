@@ -8,7 +8,8 @@
 # `select4` / `heldout4` round 4 (wider tiers; BBH 0.3125, data seed 10, left unread);
 # `heldout5` round 5 (the look-up blend of round 1, nothing chosen, on that same unread data);
 # `retrieval6` round 6 (both recommendations' retrieval, 16 prompts per cell, data seed 11);
-# `retrieval7` round 7 (the same on data seed 12); `retrieval8` round 8 (data seed 13).
+# `retrieval7` round 7 (the same on data seed 12); `retrieval8` round 8 (data seed 13);
+# `retrieval9` ... `retrieval12` rounds 9-12 (data seeds 14-17, pooled: PROTOCOL.md).
 # Finished runs are skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,8 +30,8 @@ elif [[ ${1:-} == *4 ]]; then  # round 4
   dev=dev4 seed=10 bbh=0.3125 out=$out/round4
 elif [[ ${1:-} == heldout5 ]]; then  # round 5: no selection, the look-up recommendation
   seed=10 bbh=0.3125 out=$out/round5
-elif [[ ${1:-} == retrieval[678] ]]; then  # rounds 6-8: retrieval alone, twice the prompts,
-  round=${1#retrieval}                      # each on a fresh data seed (11, 12, 13)
+elif [[ ${1:-} =~ ^retrieval([6-9]|1[0-2])$ ]]; then  # rounds 6-12: retrieval alone, twice
+  round=${1#retrieval}  # the prompts, each on a fresh data seed (round + 5: 11 ... 17)
   seed=$((round + 5)) out=$out/round$round
   export RETRIEVAL_LIMIT=16
 fi
@@ -49,9 +50,9 @@ case "${1:-}" in
   heldout5)
     decode_heldout "$out" "blend@0.75:$peak+tova,$peak" "$bbh"
     heldout_retrieval "blend@0.75:$peak+tova" "$seed" ;;
-  retrieval6 | retrieval7 | retrieval8)
+  retrieval6 | retrieval7 | retrieval8 | retrieval9 | retrieval10 | retrieval11 | retrieval12)
     heldout_retrieval "blend@0.75:$peak+tova" "$seed" ;;
   retrieval-only)  # PROTOCOL.md's addendum: the retrieval candidate, once, on data seed 8
     heldout_retrieval "blend@0.75:$peak+tova" 8 ;;
-  *) echo "usage: $0 select | heldout | retrieval-only | select2 | heldout2 | select3 | heldout3 | select4 | heldout4 | heldout5 | retrieval6 | retrieval7 | retrieval8" >&2; exit 2 ;;
+  *) echo "usage: $0 select | heldout | retrieval-only | select2 | heldout2 | select3 | heldout3 | select4 | heldout4 | heldout5 | retrieval6 ... retrieval12" >&2; exit 2 ;;
 esac

@@ -91,6 +91,43 @@ def test_top_n_mask_is_a_stable_sorts_first_n():
         np.testing.assert_array_equal(got[i], want)
 
 
+def test_argsort_desc_is_a_stable_descending_argsort():
+    rng = np.random.default_rng(5)
+    x = rng.choice(np.float32([-np.inf, -1.0, -0.0, 0.0, 2.0, np.inf, np.nan]), size=(4, 3, 300))
+    x[0, 0] = rng.normal(size=300)
+    x[1, 1] = -np.abs(rng.normal(size=300))  # negative values only
+    got = np.asarray(jax.jit(topn.argsort_desc)(jnp.asarray(x)))
+    for idx in np.ndindex(4, 3):
+        nan = np.isnan(x[idx])
+        want = np.lexsort((-(x[idx] + np.float32(0.0)), nan))  # descending, NaN last
+        np.testing.assert_array_equal(got[idx], want)
+    np.testing.assert_array_equal(got, np.asarray(jnp.argsort(-jnp.asarray(x), stable=True)))
+
+
+def test_sort_desc_is_a_descending_sort_of_the_values():
+    rng = np.random.default_rng(7)
+    x = rng.choice(np.float32([-np.inf, -1.5, -0.0, 0.0, 3.0, np.inf, np.nan]), size=(3, 500))
+    x[0] = rng.normal(size=500) * 1e3
+    got = np.asarray(jax.jit(topn.sort_desc)(jnp.asarray(x)))
+    for i in range(3):
+        nan = np.isnan(x[i])
+        want = np.concatenate([np.sort(x[i][~nan])[::-1], x[i][nan]])  # NaN last
+        np.testing.assert_array_equal(got[i], want)  # -0.0 == 0.0, NaN == NaN here
+
+
+def test_lex_argsort_is_numpys_lexsort():
+    rng = np.random.default_rng(6)
+    a = rng.integers(0, 2, size=(5, 1000)).astype(np.uint32)  # 1 bit, many ties
+    b = rng.integers(0, 40, size=(5, 1000)).astype(np.uint32)
+    c = rng.integers(0, 2**20, size=(5, 1000)).astype(np.uint32)
+    c[:, ::3] = 7  # ties on every key, broken by the index
+    got = np.asarray(topn.lex_argsort([jnp.asarray(k) for k in (a, b, c)], [1, 6, 20]))
+    for i in range(5):
+        np.testing.assert_array_equal(got[i], np.lexsort((c[i], b[i], a[i])))
+    with pytest.raises(ValueError, match="exceed 64 bits"):
+        topn.lex_argsort([jnp.asarray(c), jnp.asarray(c)], [32, 32])
+
+
 def test_inverse_permutation_is_the_ranks_of_an_argsort():
     rng = np.random.default_rng(4)
     perm = np.stack([rng.permutation(50) for _ in range(6)]).reshape(2, 3, 50)

@@ -265,5 +265,8 @@ def test_rank_blend_equals_the_transplant_composition_bit_for_bit(weight):
     args = (alloc, other, valid)
     got = np.asarray(jax.jit(rerank_lib.rank_blend, static_argnums=3)(*args, weight))
     reference = jax.jit(bench_rank_blend.rank_blend_by_transplant, static_argnums=3)
-    want = np.asarray(reference(*args, weight))
-    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got, np.asarray(reference(*args, weight)))
+    # and both with jnp's comparison sorts in place of the packed integer sorts
+    for fn in (rerank_lib.rank_blend, bench_rank_blend.rank_blend_by_transplant):
+        with_jnp_sorts = jax.jit(bench_rank_blend.jnp_sorts(fn), static_argnums=3)
+        np.testing.assert_array_equal(got, np.asarray(with_jnp_sorts(*args, weight)))

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from jaxkv.kvcache import KVCache
 from jaxkv.policies.base import TIER, Policy
-from jaxkv.topn import inverse_permutation, top_n_mask
+from jaxkv.topn import inverse_permutation, lex_argsort, top_n_mask
 
 
 def protect_recent(scores_LBKC, cache: KVCache, n_recent_B: jax.Array) -> jax.Array:
@@ -114,8 +114,8 @@ def _pool_by_position(x_LBKC, pos_LBKC, kernel: int):
     """Average of each slot's value with its ``kernel // 2`` neighbours on either side, in
     position order (free slots sort last and contribute zeros)."""
     C = pos_LBKC.shape[-1]
-    key = jnp.where(pos_LBKC >= 0, pos_LBKC, jnp.iinfo(jnp.int32).max)
-    order = jnp.argsort(key, axis=-1)
+    key = jnp.where(pos_LBKC >= 0, pos_LBKC, jnp.iinfo(jnp.int32).max).astype(jnp.uint32)
+    order = lex_argsort([key], [31])
     xs = jnp.take_along_axis(jnp.where(pos_LBKC >= 0, x_LBKC, 0.0), order, axis=-1)
     half = kernel // 2
     padded = jnp.pad(xs, [(0, 0)] * 3 + [(half, half)])

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 
 from jaxkv.policies import kvzip as kvzip_lib
 from jaxkv.policies.base import TIER, Policy, per_row
-from jaxkv.topn import inverse_permutation
+from jaxkv.topn import argsort_desc, inverse_permutation, lex_argsort, order_key
 
 PREFIX = "rerank:"
 WEIGHTED = "rerank@"  # rerank@<w>:<policy>
@@ -61,11 +61,9 @@ def transplant(alloc_LBKC: jnp.ndarray, order_LBKC: jnp.ndarray, valid_LBKC) -> 
     protected = alloc >= TIER
     within = jnp.where(protected, alloc, order_LBKC.astype(jnp.float32))
     within = jnp.where(valid_LBKC, within, -jnp.inf)
-    by_within = jnp.argsort(-within, axis=-1, stable=True)
-    tier = jnp.take_along_axis(protected, by_within, axis=-1)
-    slots = jnp.take_along_axis(by_within, jnp.argsort(~tier, axis=-1, stable=True), axis=-1)
+    slots = lex_argsort([~protected, ~order_key(within)], [1, 32])  # protected first
     rank = inverse_permutation(slots)  # 0 = best: protected first, then by ``order``
-    values = -jnp.sort(-alloc, axis=-1)  # each row's alloc scores, descending
+    values = jnp.take_along_axis(alloc, argsort_desc(alloc), axis=-1)  # descending
     return jnp.take_along_axis(values, rank, axis=-1)
 
 
@@ -92,7 +90,7 @@ def row_ranks(score_LBKC: jnp.ndarray, mask_LBKC) -> jnp.ndarray:
     """Each ``mask``ed slot's rank among its row's ``mask``ed slots by ``score`` (0 = highest;
     ties: the lower slot first); the other slots get the row's length."""
     s = jnp.where(mask_LBKC, score_LBKC.astype(jnp.float32), -jnp.inf)
-    rank = inverse_permutation(jnp.argsort(-s, axis=-1, stable=True))
+    rank = inverse_permutation(argsort_desc(s))
     return jnp.where(mask_LBKC, rank, s.shape[-1])
 
 
@@ -134,10 +132,12 @@ def _reorder(alloc_LBKC, valid_LBKC, mixed_fn) -> jnp.ndarray:
     alloc = jnp.where(valid_LBKC, alloc_LBKC.astype(jnp.float32), -jnp.inf)
     protected = alloc >= TIER
     free = valid_LBKC & ~protected
-    by_alloc = jnp.argsort(-alloc, axis=-1, stable=True)  # protected, free, invalid
+    C = alloc.shape[-1]
+    by_alloc = argsort_desc(alloc)  # protected, free, invalid
     n_protected = jnp.sum(protected, axis=-1, keepdims=True)
-    own = jnp.where(free, inverse_permutation(by_alloc) - n_protected, alloc.shape[-1])
-    slots = jnp.lexsort((own, mixed_fn(own, free)), axis=-1)  # best first: by key, then own
+    own = jnp.where(free, inverse_permutation(by_alloc) - n_protected, C)
+    key = order_key(mixed_fn(own, free))
+    slots = lex_argsort([key, own.astype(jnp.uint32)], [32, C.bit_length()])  # by key, own
     descending = jnp.take_along_axis(alloc, by_alloc, axis=-1)
     place = n_protected + inverse_permutation(slots)  # a free slot's place among the row's
     moved = jnp.take_along_axis(descending, jnp.minimum(place, alloc.shape[-1] - 1), axis=-1)
