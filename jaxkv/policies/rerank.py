@@ -140,7 +140,7 @@ def _reorder(alloc_LBKC, valid_LBKC, mixed_fn) -> jnp.ndarray:
     slots = lex_argsort([key, own.astype(jnp.uint32)], [32, C.bit_length()])  # by key, own
     descending = jnp.take_along_axis(alloc, by_alloc, axis=-1)
     place = n_protected + inverse_permutation(slots)  # a free slot's place among the row's
-    moved = jnp.take_along_axis(descending, jnp.minimum(place, alloc.shape[-1] - 1), axis=-1)
+    moved = jnp.take_along_axis(descending, jnp.minimum(place, C - 1), axis=-1)
     return jnp.where(free, moved, alloc)
 
 
