@@ -46,7 +46,9 @@ def lex_argsort(keys, bits) -> jax.Array:
     """
     M = keys[0].shape[-1]
     index_bits = max(1, (M - 1).bit_length())
-    if len(keys) != len(bits) or sum(bits) + index_bits > 64:
+    if len(keys) != len(bits):
+        raise ValueError(f"{len(keys)} keys but {len(bits)} bit widths")
+    if sum(bits) + index_bits > 64:
         raise ValueError(f"keys of {list(bits)} bits and a {index_bits}-bit index exceed 64 bits")
     with jax.enable_x64(True):
         packed = jax.lax.broadcasted_iota(jnp.uint64, keys[0].shape, keys[0].ndim - 1)
@@ -69,8 +71,7 @@ def sort_desc(x) -> jax.Array:
     """Each last-axis vector of float ``x`` sorted descending (as float32; ``-0.0`` as
     ``0.0``, NaN last): one sort of ``order_key``'s integers, mapped back to floats."""
     sign = jnp.uint32(1 << 31)
-    key = jax.lax.sort(~order_key(x), dimension=x.ndim - 1)
-    key = ~key  # descending keys
+    key = ~jax.lax.sort(~order_key(x), dimension=x.ndim - 1)  # descending keys
     bits = jnp.where(key >= sign, key & ~sign, ~key)
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
