@@ -57,7 +57,7 @@ from jaxkv.kvcache import KVCache
 from jaxkv.policies import GRANULARITIES as POLICY_GRANULARITIES
 from jaxkv.policies import Policy, get_policy
 from jaxkv.policies.base import PROTOCOLS
-from jaxkv.topn import top_n_mask
+from jaxkv.topn import sort_desc, top_n_mask
 
 POOLED = ("adaptive", "global")  # granularities that pool rows' budgets (per layer, or all)
 GRANULARITIES = (*POLICY_GRANULARITIES, *POOLED)
@@ -386,7 +386,7 @@ def hybrid_full_rows(cache: KVCache, compression: Compression) -> jax.Array | No
     L, B, K, C = cache.pos.shape
     budget = compression.budget_for(cache.length)
     mass = jnp.where(cache.pos >= 0, cache.stats["attn_cum"], 0.0)
-    top = jax.lax.top_k(mass, C)[0]
+    top = sort_desc(mass)  # each row's masses, largest first
     kept = jnp.sum(jnp.where(jnp.arange(C) < budget[None, :, None, None], top, 0.0), axis=-1)
     lost = 1.0 - kept / jnp.maximum(jnp.sum(mass, axis=-1), 1e-30)  # [L, B, K]
     n_full = max(1, round(compression.full_heads * L * K))

@@ -6,7 +6,8 @@ pooled allocation (``jaxkv.eviction.adaptive_budgets``), the attended tier
 sort of packed 64-bit integers, 4-6x faster on XLA:CPU than ``jnp.argsort``'s sort of (float,
 index) pairs (``scripts/bench_rank_blend.py``); the combinators' row orders
 (``jaxkv.policies.rerank``) and snapkv's position order use it. ``sort_desc``: the values alone,
-by a sort of 32-bit integers (nucleus sampling's cutoff, ``jaxkv.generate.sample``).
+by a sort of 32-bit integers (nucleus sampling's cutoff, ``jaxkv.generate.sample``, and
+the hybrid's per-row attention masses, ``jaxkv.eviction.hybrid_full_rows``).
 ``inverse_permutation``: the ranks of a sort's order by one scatter, not a second sort."""
 
 from __future__ import annotations

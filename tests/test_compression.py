@@ -289,6 +289,30 @@ def test_head_level_hybrid_keeps_every_token_in_the_chosen_heads():
     assert (counts == 39).sum() == 1 and (counts == 6).sum() == CFG.n_layers * CFG.n_kv_heads - 1
 
 
+def test_hybrid_full_rows_match_a_numpy_reference():
+    """The rows the hybrid keeps whole: those losing the largest share of their cumulative
+    attention mass to the budget (each row's masses sorted, the budget's largest kept),
+    recomputed in numpy on random masses with ties, zeros and empty slots."""
+    comp = Compression.make("h2o", budget=5, granularity="head", full_heads=0.25)
+    cache = kvcache.init_cache(CFG, batch_size=3, capacity=16, stats=True)
+    rng = np.random.default_rng(0)
+    L, B, K, C = cache.pos.shape
+    pos = np.where(rng.random((L, B, K, C)) < 0.8, np.arange(C), -1).astype(np.int32)
+    mass = rng.choice([0.0, 0.25, 0.5, 1.0, 2.0], size=(L, B, K, C)).astype(np.float32)
+    mass += rng.random((L, B, K, C)).astype(np.float32) * (rng.random((L, B, K, C)) < 0.5)
+    stats_ = dict(cache.stats, attn_cum=jnp.asarray(mass))
+    cache = cache.replace(pos=jnp.asarray(pos), length=jnp.full((B,), C), stats=stats_)
+    got = np.asarray(eviction.hybrid_full_rows(cache, comp))
+    m = np.where(pos >= 0, mass, 0.0).astype(np.float32)
+    kept = -np.sort(-m, axis=-1)[..., : comp.budget].sum(-1, dtype=np.float32)
+    lost = 1.0 - kept / np.maximum(m.sum(-1, dtype=np.float32), 1e-30)  # [L, B, K]
+    n_full = round(0.25 * L * K)
+    flat = np.moveaxis(lost, 1, 0).reshape(B, L * K)
+    thresh = -np.sort(-flat, axis=-1)[:, n_full - 1]
+    np.testing.assert_array_equal(got, lost >= thresh[None, :, None])
+    assert (got.sum(axis=(0, 2)) >= n_full).all()
+
+
 def test_features_follow_their_definitions():
     cache = kvcache.init_cache(CFG, batch_size=1, capacity=12, stats=True)
     _, cache = decoder.prefill(PARAMS, TOKENS[:1, :12], cache, config=CFG)
