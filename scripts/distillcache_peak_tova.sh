@@ -9,7 +9,8 @@
 # `heldout5` round 5 (the look-up blend of round 1, nothing chosen, on that same unread data);
 # `retrieval6` round 6 (both recommendations' retrieval, 16 prompts per cell, data seed 11);
 # `retrieval7` round 7 (the same on data seed 12); `retrieval8` round 8 (data seed 13);
-# `retrieval9` ... `retrieval12` rounds 9-12 (data seeds 14-17, pooled: PROTOCOL.md).
+# `retrieval9` ... `retrieval12` rounds 9-12 (data seeds 14-17) and `pooled` their pooled test
+# (PROTOCOL.md, round 9; scripts/retrieval_pooled.py, "pending" until all four exist).
 # Finished runs are skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -52,7 +53,13 @@ case "${1:-}" in
     heldout_retrieval "blend@0.75:$peak+tova" "$seed" ;;
   retrieval6 | retrieval7 | retrieval8 | retrieval9 | retrieval10 | retrieval11 | retrieval12)
     heldout_retrieval "blend@0.75:$peak+tova" "$seed" ;;
+  pooled)
+    rounds=()
+    for r in 9 10 11 12; do
+      finished "$out/round$r/retrieval_head/retrieval.json" && rounds+=("$out/round$r")
+    done
+    "$py" scripts/retrieval_pooled.py "${rounds[@]}" --out "$out/pooled.md" ;;
   retrieval-only)  # PROTOCOL.md's addendum: the retrieval candidate, once, on data seed 8
     heldout_retrieval "blend@0.75:$peak+tova" 8 ;;
-  *) echo "usage: $0 select | heldout | retrieval-only | select2 | heldout2 | select3 | heldout3 | select4 | heldout4 | heldout5 | retrieval6 ... retrieval12" >&2; exit 2 ;;
+  *) echo "usage: $0 select | heldout | retrieval-only | select2 | heldout2 | select3 | heldout3 | select4 | heldout4 | heldout5 | retrieval6 ... retrieval12 | pooled" >&2; exit 2 ;;
 esac

@@ -164,3 +164,67 @@ def test_peak_tova_rule(tmp_path, kl, acc, chosen):
         assert "nothing chosen" in out and not chosen_file.exists()
     else:
         assert f"chosen: `{chosen}`" in out and chosen_file.read_text().strip() == chosen
+
+
+def _pooled_round(path: Path, correct: dict) -> None:
+    """One round's two finished retrieval runs, 16 prompts per cell: ``correct[(policy,
+    granularity)]`` the count per cell (TASKS order); every other run of the rule gets 0."""
+    runs = [("blend@0.75:ranker:ranker_peak_tier_smollm2_cpu+tova", "global")]
+    runs += [(h, "global") for h in ("h2o", "critical:h2o", "tova")]
+    runs += [(h, "head") for h in ("tova", "h2o", "critical:h2o", "snapkv")]
+    for gran in ("global", "head"):
+        results = [
+            {"policy": p, "task": t, "ratio": 0.25, "score": 100 * c / 16, "n_examples": 16}
+            for p, g in runs
+            if g == gran
+            for t, c in zip(TASKS, correct.get((p, g), (0, 0, 0, 0)), strict=True)
+        ]
+        (path / f"retrieval_{gran}").mkdir(parents=True)
+        doc = {"complete": True, "results": results}
+        (path / f"retrieval_{gran}" / "retrieval.json").write_text(json.dumps(doc))
+
+
+@pytest.mark.parametrize(
+    ("rounds", "verdict"),
+    [
+        # tova per head leads passkey in round 1, h2o in round 2; pooled, each has 20 and the
+        # blend's 20 ties the best heuristic (a sum of per-round bests, 32, would fail it)
+        (
+            [{"h": (1, 1, 16, 4), "t": (0, 0, 4, 16)}, {"h": (1, 1, 4, 16), "t": (0, 0, 16, 4)}],
+            "met",
+        ),
+        # tova per head finds 5 needles at 2K in round 1: pooled 5 against the blend's 4
+        (
+            [{"h": (1, 1, 16, 4), "t": (0, 5, 4, 16)}, {"h": (1, 1, 4, 16), "t": (0, 0, 16, 4)}],
+            "not met",
+        ),
+    ],
+)
+def test_pooled_retrieval_rule(tmp_path, rounds, verdict):
+    blend = (2, 2, 10, 10)
+    dirs = []
+    for i, by in enumerate(rounds):
+        d = tmp_path / f"round{i}"
+        correct = {("blend@0.75:ranker:ranker_peak_tier_smollm2_cpu+tova", "global"): blend}
+        correct |= {("h2o", "head"): by["h"], ("tova", "head"): by["t"]}
+        _pooled_round(d, correct)
+        dirs.append(d)
+    cmd = [sys.executable, SCRIPTS / "retrieval_pooled.py", *dirs, "--expect", "2"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    assert out.rstrip().endswith(f"Verdict: {verdict}.")
+    partial = subprocess.run(cmd[:3] + ["--expect", "2"], capture_output=True, text=True)
+    assert "Verdict: pending (1 of 2 rounds" in partial.stdout
+
+
+def test_pooled_retrieval_refuses_an_unfinished_or_missing_run(tmp_path):
+    _pooled_round(tmp_path / "r", {})
+    path = tmp_path / "r" / "retrieval_head" / "retrieval.json"
+    doc = json.loads(path.read_text())
+    doc["results"] = [row for row in doc["results"] if row["policy"] != "snapkv"]
+    path.write_text(json.dumps(doc))
+    cmd = [sys.executable, SCRIPTS / "retrieval_pooled.py", tmp_path / "r"]
+    run = subprocess.run(cmd, capture_output=True, text=True)
+    assert run.returncode != 0 and "no complete snapkv run at head" in run.stderr
+    path.write_text(json.dumps(doc | {"complete": False}))
+    run = subprocess.run(cmd, capture_output=True, text=True)
+    assert run.returncode != 0 and "did not finish" in run.stderr
