@@ -20,7 +20,7 @@ from jaxkv.config import ModelConfig
 from jaxkv.eviction import Compression
 from jaxkv.kvcache import KVCache
 from jaxkv.model import decoder
-from jaxkv.topn import sort_desc
+from jaxkv.topn import top_p_mask
 
 PAD_MULTIPLE = 64  # prompts are padded to a multiple of this: fewer distinct compiled shapes
 
@@ -69,12 +69,7 @@ def sample(logits_BV: jax.Array, sampling: Sampling, *, key: jax.Array) -> jax.A
         return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
     logits = logits_BV / sampling.temperature
     if sampling.top_p < 1:
-        sorted_desc = sort_desc(logits)
-        probs = jax.nn.softmax(sorted_desc, axis=-1)
-        before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each candidate
-        n_keep = jnp.sum(before < sampling.top_p, axis=-1, keepdims=True)
-        cutoff = jnp.take_along_axis(sorted_desc, n_keep - 1, axis=-1)
-        logits = jnp.where(logits >= cutoff, logits, -jnp.inf)
+        logits = jnp.where(top_p_mask(logits, sampling.top_p), logits, -jnp.inf)
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 

@@ -6,8 +6,10 @@ pooled allocation (``jaxkv.eviction.adaptive_budgets``), the attended tier
 sort of packed 64-bit integers, 4-6x faster on XLA:CPU than ``jnp.argsort``'s sort of (float,
 index) pairs (``scripts/bench_rank_blend.py``); the combinators' row orders
 (``jaxkv.policies.rerank``) and snapkv's position order use it. ``sort_desc``: the values alone,
-by a sort of 32-bit integers (nucleus sampling's cutoff, ``jaxkv.generate.sample``, and
-the hybrid's per-row attention masses, ``jaxkv.eviction.hybrid_full_rows``).
+by a sort of 32-bit integers (the hybrid's per-row attention masses,
+``jaxkv.eviction.hybrid_full_rows``). ``top_p_mask``: the nucleus of top-p sampling
+(``jaxkv.generate.sample``) by the same bisection as ``top_n_mask``, summing mass instead of
+counting.
 ``inverse_permutation``: the ranks of a sort's order by one scatter, not a second sort."""
 
 from __future__ import annotations
@@ -109,6 +111,38 @@ def top_n_mask(x, n) -> jax.Array:
     tied = key == t
     need = n - jnp.sum(above, axis=-1, keepdims=True)
     return above | (tied & (jnp.cumsum(tied, axis=-1) <= need))
+
+
+def top_p_mask(logits, p) -> jax.Array:
+    """The nucleus of each last-axis vector of ``logits``: the entries a stable descending sort
+    would keep for top-p sampling (each entry whose sorted predecessors hold less than ``p`` of
+    the softmax mass, and every entry tied with the last of them), without the sort.
+
+    With M(t) the softmax mass of the entries whose order key (``order_key``) is at least t,
+    the nucleus is every entry with key >= T, T the largest t with M(t) >= p: a bisection over
+    the key's 32 bits, each pass one masked sum, as ``top_n_mask`` counts. The masses are
+    summed in another order than a sorted cumulative sum, so an entry whose predecessors hold
+    p to within float rounding may fall on the other side of the cutoff (tested against a
+    float64 sort away from such ties).
+
+    Args:
+        logits: [..., V] float.
+        p: the nucleus mass, 0 < p <= 1.
+
+    Returns:
+        [..., V] bool, at least one True per vector.
+    """
+    key = order_key(logits)
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    sign = jnp.uint32(1 << 31)
+
+    def bisect(i, t):  # the largest t with M(t) >= p, one bit at a time from the top
+        trial = t | (sign >> i.astype(jnp.uint32))
+        mass = jnp.sum(jnp.where(key >= trial, probs, 0.0), axis=-1, keepdims=True)
+        return jnp.where(mass >= p, trial, t)
+
+    t = jax.lax.fori_loop(0, 32, bisect, jnp.zeros(key.shape[:-1] + (1,), jnp.uint32))
+    return key >= t
 
 
 def inverse_permutation(perm) -> jax.Array:

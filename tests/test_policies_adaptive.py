@@ -115,6 +115,51 @@ def test_sort_desc_is_a_descending_sort_of_the_values():
         np.testing.assert_array_equal(got[i], want)  # -0.0 == 0.0, NaN == NaN here
 
 
+def _mass_above(logits: np.ndarray) -> np.ndarray:
+    """Each entry's S: the softmax mass (float64) of the entries strictly greater than it."""
+    z = logits.astype(np.float64)
+    probs = np.exp(z - z.max())
+    probs /= probs.sum()
+    order = np.argsort(-z, kind="stable")
+    before = np.cumsum(probs[order]) - probs[order]  # mass above each, in sorted order
+    first = np.searchsorted(-z[order], -z[order], side="left")  # first of each tie group
+    out = np.empty_like(before)
+    out[order] = before[first]
+    return out
+
+
+@pytest.mark.parametrize("p", [0.05, 0.5, 0.9, 0.999])
+def test_top_p_mask_keeps_the_sorted_nucleus(p):
+    """Top-p as a sort states it (keep each entry whose sorted predecessors hold less than p,
+    with its ties): the same entries, except where S is p to within float32 summation."""
+    rng = np.random.default_rng(int(p * 1000))
+    x = (rng.normal(size=(24, 2000)) * rng.uniform(0.3, 8, size=(24, 1))).astype(np.float32)
+    x[::3] = np.round(x[::3] * 2) / 2  # many ties at the cutoff
+    x[1, :1000] = -np.inf  # masked vocabulary
+    x[2, :] = x[2, 0]  # all equal: everything is the nucleus
+    x[4, 0] = -0.0
+    x[4, 1] = 0.0
+    got = np.asarray(jax.jit(topn.top_p_mask, static_argnums=1)(jnp.asarray(x), p))
+    exact = 0
+    for i in range(len(x)):
+        s = _mass_above(x[i])
+        want = s < p
+        near = np.abs(s - p) < 1e-5
+        np.testing.assert_array_equal(got[i] & ~near, want & ~near)
+        exact += not near.any()
+        kept = x[i][got[i]]  # a nucleus: the largest entries, ties together
+        assert kept.size and (~got[i]).sum() == (x[i] < kept.min()).sum()
+    assert exact >= len(x) // 4
+
+
+def test_top_p_mask_small_vocabulary_by_hand():
+    logits = jnp.log(jnp.array([[0.05, 0.5, 0.15, 0.3], [0.25, 0.25, 0.25, 0.25]]))
+    got = lambda p: np.asarray(topn.top_p_mask(logits, p)).tolist()
+    assert got(0.45) == [[False, True, False, False], [True, True, True, True]]
+    assert got(0.7) == [[False, True, False, True], [True, True, True, True]]
+    assert got(0.9) == [[False, True, True, True], [True, True, True, True]]
+
+
 def test_lex_argsort_is_numpys_lexsort():
     rng = np.random.default_rng(6)
     a = rng.integers(0, 2, size=(5, 1000)).astype(np.uint32)  # 1 bit, many ties
