@@ -5,8 +5,7 @@ pooled allocation (``jaxkv.eviction.adaptive_budgets``), the attended tier
 ``lex_argsort`` and ``argsort_desc``: a stable (lexicographic) argsort of each vector as one
 sort of packed 64-bit integers, 4-6x faster on XLA:CPU than ``jnp.argsort``'s sort of (float,
 index) pairs (``scripts/bench_rank_blend.py``); the combinators' row orders
-(``jaxkv.policies.rerank``), snapkv's position order and training (the ranker's rows, the
-Plackett-Luce draws of ``jaxkv.rl``) use it. ``sort_desc``: the values alone,
+(``jaxkv.policies.rerank``) and snapkv's position order use it. ``sort_desc``: the values alone,
 by a sort of 32-bit integers (the hybrid's per-row attention masses,
 ``jaxkv.eviction.hybrid_full_rows``). ``top_p_mask``: the nucleus of top-p sampling
 (``jaxkv.generate.sample``) by the same bisection as ``top_n_mask``, summing mass instead of

@@ -38,8 +38,6 @@ import operator
 import jax
 import jax.numpy as jnp
 
-from jaxkv.topn import argsort_desc
-
 ESTIMATORS = ("paper", "exact", "ordered_pl")
 
 
@@ -234,7 +232,7 @@ def _gumbel_order(scores_L: jax.Array, *, key: jax.Array, mask_L=None) -> jax.Ar
     clean_L, valid_L = _prepare(jax.lax.stop_gradient(scores_L), mask_L)
     gumbel_L = jax.random.gumbel(key, clean_L.shape, clean_L.dtype)
     perturbed_L = jnp.where(valid_L, clean_L + gumbel_L, -jnp.inf)
-    return argsort_desc(perturbed_L)
+    return jnp.argsort(-perturbed_L, stable=True)
 
 
 def _first_of_order(order_L: jax.Array, budget) -> jax.Array:

@@ -77,7 +77,6 @@ from jaxkv.policies import kvzip as kvzip_lib
 from jaxkv.policies import ranker as ranker_lib
 from jaxkv.rl import recall as recall_lib
 from jaxkv.rl.data import RECALL_DOMAIN, TRAIN_DOMAINS, domain_text
-from jaxkv.topn import lex_argsort
 
 TARGETS = ("attention", "value", "critical", "peak")
 _NORM = {  # the norm each target weights the future attention by, as a stored log feature
@@ -218,7 +217,7 @@ def _rows(cache, future_LBKT, reconstruction):
 
 @functools.partial(jax.jit, static_argnames=("m",))
 def _rows_jit(cache, future_LBKT, reconstruction, *, m):
-    order = lex_argsort([(~cache.valid).astype(jnp.uint32)], [1])[..., :m]  # valid first
+    order = jnp.argsort(~cache.valid, axis=-1, stable=True)[..., :m]
     feats = ranker_lib.head_features(cache, reconstruction=reconstruction)
     feats = jnp.take_along_axis(feats, order[..., None], axis=3)
     pos = jnp.take_along_axis(cache.pos, order, axis=-1)
