@@ -15,6 +15,7 @@ import argparse
 import os
 import statistics
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +56,27 @@ def jnp_sorts(fn):
     return traced
 
 
+def side_by_side(label: str, runs: dict[str, Callable], args: tuple, turns: int) -> None:
+    """Checks that the runs agree, then times them in turns; prints medians and the ratios of
+    the first to each other (each line after ``label``, when given)."""
+    outs = [np.asarray(f(*args)) for f in runs.values()]  # compiles
+    for out in outs[1:]:
+        np.testing.assert_array_equal(outs[0], out)
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(turns):
+        for name, f in runs.items():
+            t0 = time.perf_counter()
+            f(*args).block_until_ready()
+            times[name].append(1e3 * (time.perf_counter() - t0))
+    prefix = f"{label}, " if label else ""
+    for name, ts in times.items():
+        print(f"{prefix}{name}: median {statistics.median(ts):.2f} ms over {turns} turns")
+    first, *others = times
+    for name in others:
+        ratio = statistics.median(a / b for a, b in zip(times[first], times[name], strict=True))
+        print(f"{prefix}per-turn ratio ({first} / {name}): median {ratio:.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--turns", type=int, default=15)
@@ -77,21 +99,7 @@ def main() -> None:
             jnp_sorts(rank_blend_by_transplant), static_argnums=3
         ),
     }
-    outs = [np.asarray(f(*args_, args.weight)) for f in runs.values()]  # compiles
-    for out in outs[1:]:
-        np.testing.assert_array_equal(outs[0], out)
-    times: dict[str, list[float]] = {k: [] for k in runs}
-    for _ in range(args.turns):
-        for name, f in runs.items():
-            t0 = time.perf_counter()
-            f(*args_, args.weight).block_until_ready()
-            times[name].append(1e3 * (time.perf_counter() - t0))
-    for name, ts in times.items():
-        print(f"{name}: median {statistics.median(ts):.1f} ms over {args.turns} turns")
-    first, *others = times
-    for name in others:
-        ratio = statistics.median(a / b for a, b in zip(times[first], times[name], strict=True))
-        print(f"per-turn ratio ({first} / {name}): median {ratio:.2f}")
+    side_by_side("", runs, (*args_, args.weight), args.turns)
     print(f"1-minute load {os.getloadavg()[0]:.1f}")
 
 

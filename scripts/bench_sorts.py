@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from bench_rank_blend import side_by_side
 
 from jaxkv import eviction, kvcache
 from jaxkv.config import ModelConfig
@@ -55,26 +54,6 @@ def hybrid_rows_top_k(cache: kvcache.KVCache, comp: eviction.Compression):
         return eviction.hybrid_full_rows(cache, comp)
     finally:
         eviction.sort_desc = packed
-
-
-def side_by_side(label: str, runs: dict[str, Callable], args: tuple, turns: int) -> None:
-    """Checks that the runs agree, then times them in turns; prints medians and the ratios of
-    the first to each other."""
-    outs = [np.asarray(f(*args)) for f in runs.values()]  # compiles
-    for out in outs[1:]:
-        np.testing.assert_array_equal(outs[0], out)
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(turns):
-        for name, f in runs.items():
-            t0 = time.perf_counter()
-            f(*args).block_until_ready()
-            times[name].append(1e3 * (time.perf_counter() - t0))
-    for name, ts in times.items():
-        print(f"{label}, {name}: median {statistics.median(ts):.2f} ms")
-    first, *others = times
-    for name in others:
-        ratio = statistics.median(a / b for a, b in zip(times[first], times[name], strict=True))
-        print(f"{label}, per-turn ratio ({first} / {name}): median {ratio:.2f}")
 
 
 def hybrid_cache(batch: int, slots: int) -> kvcache.KVCache:
