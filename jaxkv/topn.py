@@ -98,15 +98,8 @@ def top_n_mask(x, n) -> jax.Array:
         [..., M] bool, ``n`` True per vector.
     """
     key = order_key(x)
-    sign = jnp.uint32(1 << 31)
     n = jnp.asarray(n, jnp.int32)
-
-    def bisect(i, t):  # the largest t with #(key >= t) >= n, one bit at a time from the top
-        trial = t | (sign >> i.astype(jnp.uint32))
-        enough = jnp.sum(key >= trial, axis=-1, keepdims=True) >= n
-        return jnp.where(enough, trial, t)
-
-    t = jax.lax.fori_loop(0, 32, bisect, jnp.zeros(key.shape[:-1] + (1,), jnp.uint32))
+    t = _largest_key(key, lambda trial: jnp.sum(key >= trial, axis=-1, keepdims=True) >= n)
     above = key > t
     tied = key == t
     need = n - jnp.sum(above, axis=-1, keepdims=True)
@@ -134,15 +127,21 @@ def top_p_mask(logits, p) -> jax.Array:
     """
     key = order_key(logits)
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    mass = lambda trial: jnp.sum(jnp.where(key >= trial, probs, 0.0), axis=-1, keepdims=True)
+    return key >= _largest_key(key, lambda trial: mass(trial) >= p)
+
+
+def _largest_key(key, enough) -> jax.Array:
+    """[..., 1] the largest uint32 t with ``enough(t)`` ([..., 1] bool, true for every t at or
+    below one where it is true) for each last-axis vector of ``key``: a bisection that fixes
+    one bit per pass from the top, 32 passes."""
     sign = jnp.uint32(1 << 31)
 
-    def bisect(i, t):  # the largest t with M(t) >= p, one bit at a time from the top
+    def bisect(i, t):
         trial = t | (sign >> i.astype(jnp.uint32))
-        mass = jnp.sum(jnp.where(key >= trial, probs, 0.0), axis=-1, keepdims=True)
-        return jnp.where(mass >= p, trial, t)
+        return jnp.where(enough(trial), trial, t)
 
-    t = jax.lax.fori_loop(0, 32, bisect, jnp.zeros(key.shape[:-1] + (1,), jnp.uint32))
-    return key >= t
+    return jax.lax.fori_loop(0, 32, bisect, jnp.zeros(key.shape[:-1] + (1,), jnp.uint32))
 
 
 def inverse_permutation(perm) -> jax.Array:
