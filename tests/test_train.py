@@ -450,3 +450,15 @@ def test_a_score_scale_sharpens_the_rollouts_and_must_be_positive():
     assert 0 < entropy[8.0] < entropy[1.0]
     with pytest.raises(ValueError, match="score_scale > 0"):
         TrainConfig(score_scale=0.0)
+
+
+def test_train_cli_lists_subcommands_and_names_a_bad_one(capsys):
+    assert train_cli.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"    {c} " in out for c in train_cli.COMMANDS)  # each with its one-line summary
+    assert train_cli.main(["--steps", "0"]) == 2
+    assert (
+        "error: unknown subcommand '--steps'; choose one of distillcache" in capsys.readouterr().err
+    )
+    assert train_cli.main([]) == 2
+    assert "error: a subcommand is required" in capsys.readouterr().err

@@ -204,5 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in COMMANDS:
         return COMMANDS[argv[0]](argv[1:])
-    print(USAGE, file=sys.stderr)
-    return 0 if argv and argv[0] in ("-h", "--help") else 2
+    if argv and argv[0] in ("-h", "--help"):
+        print(f"{USAGE}\n\n{__doc__.partition(chr(10))[2].strip()}")
+        return 0
+    what = f"unknown subcommand {argv[0]!r}" if argv else "a subcommand is required"
+    print(f"{USAGE}\nerror: {what}; choose one of {', '.join(COMMANDS)}", file=sys.stderr)
+    return 2
