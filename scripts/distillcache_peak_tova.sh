@@ -20,13 +20,13 @@ out=${OUT:-results/distillcache_peak_tova}
 peak=ranker:ranker_peak_tier_smollm2_cpu
 candidates=("blend@0.5:$peak+tova" "blend@0.75:$peak+tova" "blend@1:$peak+tova")
 dev=dev seed=8 bbh=0.4375
-if [[ ${1:-} == *2 ]]; then  # round 2
+if [[ ${1:-} =~ ^(select|heldout)2$ ]]; then  # round 2
   candidates=("blend@0.125:$peak+tova" "blend@0.25:$peak+tova" "blend@0.375:$peak+tova")
   dev=dev2 seed=9 out=$out/round2
-elif [[ ${1:-} == *3 ]]; then  # round 3
+elif [[ ${1:-} =~ ^(select|heldout)3$ ]]; then  # round 3
   candidates=("tier@0.02:$peak+tova" "tier@0.05:$peak+tova" "tier@0.1:$peak+tova")
   dev=dev3 seed=9 out=$out/round3
-elif [[ ${1:-} == *4 ]]; then  # round 4
+elif [[ ${1:-} =~ ^(select|heldout)4$ ]]; then  # round 4
   candidates=("tier@0.2:$peak+tova" "tier@0.3:$peak+tova" "tier@0.5:$peak+tova")
   dev=dev4 seed=10 bbh=0.3125 out=$out/round4
 elif [[ ${1:-} == heldout5 ]]; then  # round 5: no selection, the look-up recommendation

@@ -228,3 +228,27 @@ def test_pooled_retrieval_refuses_an_unfinished_or_missing_run(tmp_path):
     path.write_text(json.dumps(doc | {"complete": False}))
     run = subprocess.run(cmd, capture_output=True, text=True)
     assert run.returncode != 0 and "did not finish" in run.stderr
+
+
+@pytest.mark.parametrize(
+    "command, seed, folder",
+    [("retrieval6", 11, "round6"), ("retrieval11", 16, "round11"), ("retrieval12", 17, "round12")],
+)
+def test_peak_tova_rounds_read_their_own_data_seed(tmp_path, command, seed, folder):
+    """Each retrieval round runs on its own data seed into its own folder (``retrieval12`` once
+    ran round 2's seed 9 into round2/, a name matched by its last digit), 16 prompts per cell."""
+    log = tmp_path / "calls.txt"
+    fake = tmp_path / "python"  # stands in for jaxkv's Python: records each call, runs nothing
+    fake.write_text(f'#!/usr/bin/env bash\necho "$*" >> {log}\n')
+    fake.chmod(0o755)
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": str(fake), "OUT": str(tmp_path / "out")}
+    subprocess.run(["bash", SCRIPTS / "distillcache_peak_tova.sh", command], env=env, check=True)
+    calls = log.read_text().splitlines()
+    assert len(calls) == 2  # global, then per head
+    for call, granularity in zip(calls, ("global", "head"), strict=True):
+        args = call.split()
+        assert args[args.index("--data-seed") + 1] == str(seed)
+        assert args[args.index("--limit") + 1] == "16"
+        assert args[args.index("--out") + 1] == str(
+            tmp_path / "out" / folder / f"retrieval_{granularity}"
+        )
