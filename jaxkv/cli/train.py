@@ -25,6 +25,7 @@ USAGE = (
     "usage: python -m jaxkv.train {distillcache,ranker,kvlearn} [options]  "
     "(add --help after a subcommand)"
 )
+SUBCOMMANDS = __doc__.partition("\n")[2].strip()  # the docstring's list, for --help
 
 
 def distillcache_parser() -> argparse.ArgumentParser:
@@ -205,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in COMMANDS:
         return COMMANDS[argv[0]](argv[1:])
     if argv and argv[0] in ("-h", "--help"):
-        print(f"{USAGE}\n\n{__doc__.partition(chr(10))[2].strip()}")
+        print(f"{USAGE}\n\n{SUBCOMMANDS}")
         return 0
     what = f"unknown subcommand {argv[0]!r}" if argv else "a subcommand is required"
     print(f"{USAGE}\nerror: {what}; choose one of {', '.join(COMMANDS)}", file=sys.stderr)
