@@ -25,7 +25,7 @@ USAGE = (
     "usage: python -m jaxkv.train {distillcache,ranker,kvlearn} [options]  "
     "(add --help after a subcommand)"
 )
-SUBCOMMANDS = __doc__.partition("\n")[2].strip()  # the docstring's list, for --help
+SUBCOMMANDS = (__doc__ or "").partition("\n")[2].strip()  # the docstring's list (None under -OO)
 
 
 def distillcache_parser() -> argparse.ArgumentParser:
