@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Callable
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -48,12 +49,8 @@ def sample_sorted(logits, sampling: Sampling, key, sort: Callable):
 
 def hybrid_rows_top_k(cache: kvcache.KVCache, comp: eviction.Compression):
     """``eviction.hybrid_full_rows`` with ``jax.lax.top_k`` in place of ``sort_desc``."""
-    packed = eviction.sort_desc
-    eviction.sort_desc = lambda x: jax.lax.top_k(x, x.shape[-1])[0]
-    try:
+    with mock.patch.object(eviction, "sort_desc", lambda x: jax.lax.top_k(x, x.shape[-1])[0]):
         return eviction.hybrid_full_rows(cache, comp)
-    finally:
-        eviction.sort_desc = packed
 
 
 def hybrid_cache(batch: int, slots: int) -> kvcache.KVCache:
