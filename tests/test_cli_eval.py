@@ -10,12 +10,13 @@ import os
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import jaxkv
 from jaxkv.cli import eval as eval_lib
 from jaxkv.cli import suite
-from jaxkv.evals import report, runner
+from jaxkv.evals import fidelity, report, runner
 from jaxkv.model import loading
 from jaxkv.policies import learned as learned_lib
 
@@ -318,6 +319,40 @@ def test_fidelity_text_that_is_binary_or_too_short_fails_before_the_model(
     for text, message in cases:
         status, err = _suite(["fidelity", *TINY, "--text", *map(str, text)], capsys)
         assert status == 2 and message in err, err
+
+
+def test_fidelity_offset_reads_the_windows_after_the_first(tmp_path, monkeypatch):
+    """--offset k·window --limit n scores windows k..k+n-1 of the run without it (the unread
+    windows of a held-out part), and the result file records the offset."""
+    text = tmp_path / "text.txt"
+    text.write_text("".join(f"line {i} of a text to cut into windows\n" for i in range(400)))
+    seen = []
+
+    def record(model, groups, *, windows_NT, **kw):
+        seen.append(windows_NT)
+        return run(model, groups, windows_NT=windows_NT, **kw)
+
+    run = fidelity.run
+    monkeypatch.setattr(fidelity, "run", record)
+    base = ["fidelity", *TINY, *WINDOWS, "--text", str(text), "--heldout", "1"]
+    base += ["--ratios", "0.5", "--policies", "full,h2o", "--seeds", "0"]
+    assert eval_lib.main([*base, "--limit", "3", "--out", str(tmp_path / "a")]) == 0
+    after = ["--limit", "2", "--offset", "96", "--out", str(tmp_path / "b")]
+    assert eval_lib.main([*base, *after]) == 0
+    np.testing.assert_array_equal(seen[1], seen[0][1:])
+    config = json.loads((tmp_path / "b" / "fidelity.json").read_text())["config"]
+    assert config["offset"] == 96 and config["windows"] == 2
+    assert "offset" not in json.loads((tmp_path / "a" / "fidelity.json").read_text())["config"]
+
+
+def test_fidelity_offset_past_the_text_fails_before_the_model(tmp_path, capsys, no_model):
+    short = tmp_path / "short.txt"
+    short.write_text("To be, or not to be.\n" * 40)  # 840 bytes
+    args = ["fidelity", *TINY, "--text", str(short), "--heldout", "1", "--limit", "2"]
+    status, err = _suite([*args, "--offset", "100"], capsys)
+    assert status == 2 and "2 windows of 384 after offset 100 need 868" in err, err
+    status, err = _suite([*args, "--offset", "-1"], capsys)
+    assert status == 2 and "argument --offset: must be an integer >= 0" in err, err
 
 
 # ----------------------------------------------------------------------------------------------

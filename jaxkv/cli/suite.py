@@ -246,6 +246,13 @@ def _fidelity_flags(parser: argparse.ArgumentParser) -> None:
         "with --wikitext)",
     )
     parser.add_argument(
+        "--offset",
+        type=flags.int_range(0),
+        default=0,
+        help="tokens of the held-out part skipped before the first window (default 0); "
+        "e.g. --limit 8 --offset 3072 reads the 8 windows of 384 after the first 8",
+    )
+    parser.add_argument(
         "--kv-dtype",
         default="model",
         choices=fidelity.KV_DTYPES,
@@ -307,6 +314,7 @@ def _fidelity(args: argparse.Namespace, job: runner.Job) -> report.ResultStore:
         prompt_len=args.prompt_len,
         text=args.text,
         heldout=args.heldout,
+        offset=args.offset,
         wikitext=args.wikitext,
         wikitext_config=args.wikitext_config or hub.WIKITEXT_CONFIG,
         wikitext_split=args.wikitext_split or "test",

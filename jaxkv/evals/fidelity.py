@@ -476,6 +476,7 @@ def evaluate(
     prompt_len: int,
     text: str | None = None,
     heldout: float | None = None,
+    offset: int = 0,
     wikitext: str | None = None,
     wikitext_config: str = hub.WIKITEXT_CONFIG,
     wikitext_split: str = "test",
@@ -493,6 +494,8 @@ def evaluate(
         text: a text file (None: tinyshakespeare), unless ``wikitext``.
         heldout: the tail fraction of the text used (None: 1 for WikiText, whose test split is
             held out already, else ``tasks.HELDOUT_FRACTION``).
+        offset: tokens of the held-out part skipped before the first window (windows of
+            one held-out part that an earlier run did not read).
         wikitext: WikiText's source for ``hub.wikitext_text`` (a hub name or local folder).
         wikitext_config: its config.
         wikitext_split: its split.
@@ -531,7 +534,9 @@ def evaluate(
         body = hub.wikitext_text(wikitext, wikitext_split, config=wikitext_config)
     if heldout is None:
         heldout = tasks.HELDOUT_FRACTION if body is None else 1.0
-    cut = dict(window=window, n_windows=job.limit, heldout_fraction=heldout, text=body)
+    cut = dict(
+        window=window, n_windows=job.limit, heldout_fraction=heldout, text=body, offset=offset
+    )
     tasks.check_text_windows(text, **cut)
     model = runner.load_eval_model(job.model, dtype=job.dtype)
     runner.check_fits(model, window, what="--window")
@@ -547,6 +552,7 @@ def evaluate(
             "prompt_len": prompt_len,
             "windows": len(windows),
             "heldout": heldout,
+            **({"offset": offset} if offset else {}),  # earlier files stay byte for byte
             **_non_default_selection(settings),
         },
         summarize=summarize,

@@ -780,6 +780,7 @@ def check_text_windows(
     heldout_fraction: float = HELDOUT_FRACTION,
     data_dir: PathLike | None = None,
     text: str | None = None,
+    offset: int = 0,
 ) -> None:
     """The checks of ``text_windows`` that need no tokenizer, to run before a model loads.
 
@@ -793,8 +794,10 @@ def check_text_windows(
         ValueError: bad sizes, a file that is not UTF-8 text, an empty text or held-out part, or
             too few bytes for the windows.
     """
-    if window <= 0 or n_windows <= 0:
-        raise ValueError(f"need window > 0 and n_windows > 0; got {window}, {n_windows}")
+    if window <= 0 or n_windows <= 0 or offset < 0:
+        raise ValueError(
+            f"need window > 0, n_windows > 0, offset >= 0; got {window}, {n_windows}, {offset}"
+        )
     path = _text_path(path, data_dir)
     n_bytes = len(_heldout_text(path, heldout_fraction, text).encode("utf-8"))
     if n_bytes < window:
@@ -802,11 +805,12 @@ def check_text_windows(
             f"{path} has only {n_bytes} bytes, so at most {n_bytes} tokens, in its held-out "
             f"part (the last {heldout_fraction:.0%}); need at least {window} for one window"
         )
-    if n_bytes < window * n_windows:
+    if n_bytes < offset + window * n_windows:
+        after = f" after offset {offset}" if offset else ""
         raise ValueError(
             f"{path} has only {n_bytes} bytes, so at most {n_bytes} tokens, in its held-out "
-            f"part (the last {heldout_fraction:.0%}); {n_windows} windows of {window} need "
-            f"{window * n_windows} (lower --limit or --window)"
+            f"part (the last {heldout_fraction:.0%}); {n_windows} windows of {window}{after} "
+            f"need {offset + window * n_windows} (lower --limit or --window)"
         )
 
 
