@@ -16,7 +16,8 @@
 #   5. one joint table: results/kvpress_comparison.md and .json (scripts/compare_kvpress_table.py).
 #
 # Settings (environment): LIMIT (windows, 8), WINDOW (384), PROMPT_LEN (256), HELDOUT (tail
-# fraction of the text, 0.1; use 1 for a file that is held out as a whole), RATIOS (0.25,0.125),
+# fraction of the text, 0.1; use 1 for a file that is held out as a whole), OFFSET (tokens of
+# that part skipped first, 0: fidelity's --offset), RATIOS (0.25,0.125),
 # JAXKV_POLICIES (comma list; add learned:/ranker: names here), GRANULARITIES, PRESSES (names in
 # compare_kvpress_run.PRESSES; default all), OUT, RESULTS (the table's path without suffix), TOL
 # (max |Δlogit| of the full caches), STEPS (which steps to run, default "1 2 3 4 5").
@@ -40,6 +41,7 @@ limit=${LIMIT:-8}
 window=${WINDOW:-384}
 prompt_len=${PROMPT_LEN:-256}
 heldout=${HELDOUT:-0.1}
+offset=${OFFSET:-0}
 ratios=${RATIOS:-0.25,0.125}
 policies=${JAXKV_POLICIES:-streaming_llm,h2o,snapkv,tova,keydiff,knorm,critical:h2o,kvzip,oracle}
 granularities=${GRANULARITIES:-shared layer head adaptive global}
@@ -75,8 +77,8 @@ if step 2; then
   t=$SECONDS
   kept=${KEPT:-}
   .venv/bin/python scripts/compare_kvpress_export.py --out "$out" "${text_args[@]}" \
-    --heldout "$heldout" --window "$window" --prompt-len "$prompt_len" --limit "$limit" \
-    --ratios "$ratios" ${kept:+--kept "$kept"}
+    --heldout "$heldout" --offset "$offset" --window "$window" --prompt-len "$prompt_len" \
+    --limit "$limit" --ratios "$ratios" ${kept:+--kept "$kept"}
   echo "compare_kvpress: export $((SECONDS - t)) s"
 fi
 
@@ -85,7 +87,8 @@ if step 3; then
     t=$SECONDS
     .venv/bin/python -m jaxkv.eval fidelity --protocol prefill --granularity "$g" \
       --policies "$policies" --ratios "$ratios" --limit "$limit" "${text_args[@]}" \
-      --heldout "$heldout" --window "$window" --prompt-len "$prompt_len" --out "$out/jaxkv-$g"
+      --heldout "$heldout" --offset "$offset" --window "$window" --prompt-len "$prompt_len" \
+      --out "$out/jaxkv-$g"
     echo "compare_kvpress: jaxkv $g $((SECONDS - t)) s"
   done
 fi

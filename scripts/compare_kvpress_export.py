@@ -88,6 +88,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--text", default=None, help="text file (default: tinyshakespeare)")
     parser.add_argument("--heldout", type=float, default=tasks.HELDOUT_FRACTION)
+    parser.add_argument("--offset", type=int, default=0, help="fidelity's --offset")
     parser.add_argument("--window", type=int, default=384)
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--limit", type=int, default=8)
@@ -104,6 +105,7 @@ def main() -> None:
         n_windows=args.limit,
         tokenizer=model.tokenizer,
         heldout_fraction=args.heldout,
+        offset=args.offset,
     )
     settings = FidelitySettings(prompt_len=args.prompt_len, batch_size=args.batch)
     ref = stream_logits(model, windows, settings=settings, compression=None)

@@ -12,6 +12,11 @@ planned when it is not all of them (``scripts/distillcache_tier_wide.sh``: decod
 head and layer, no kvpress); ``<protocol>_<granularity>-<tag>`` runs add their ratios' cells to
 that granularity (``scripts/distillcache_periodic.sh``: one run per ratio).
 
+Given several folders (the same runs on different windows), it pools them: each row's
+per-window KL concatenated, kvpress's mean KL averaged over the folders (each holds as many
+windows), the tables written to ``--out``; ``--goal`` adds each learned row's verdict
+(``scripts/distillcache_prefill_pooled.sh``).
+
     .venv/bin/python scripts/distillcache_confirm_report.py results/distillcache_confirm
 """
 
@@ -78,12 +83,56 @@ def best_heuristic(cells: dict, proto: str, ratio: float) -> tuple[str, str, lis
     return pol, gran, kl
 
 
+def pool_runs(folders: list[Path], runs: list[str]) -> tuple[dict, list[str]]:
+    """``read_runs`` over several folders: the cells complete in every folder, their
+    per-window KL concatenated in folder order, and the runs missing anywhere (named with
+    their folder when there are several)."""
+    parts = [read_runs(folder, runs) for folder in folders]
+    keys = set.intersection(*(set(cells) for cells, _ in parts))
+    cells = {k: [x for part, _ in parts for x in part[k]] for k in keys}
+    many = len(folders) > 1
+    missing = [
+        f"{f}/{m}" if many else m for f, (_, ms) in zip(folders, parts, strict=True) for m in ms
+    ]
+    return cells, missing
+
+
 def read_kvpress(path: Path) -> dict:
     """{(method, ratio): mean KL} of kvpress's presses (empty without the file)."""
     if not path.exists():
         return {}
     rows = json.loads(path.read_text())["rows"]
     return {(r["method"], float(r["ratio"])): float(r["kl_mean"]) for r in rows}
+
+
+def pool_kvpress(paths: list[Path]) -> dict:
+    """``read_kvpress``'s means averaged over files of equally many windows; empty unless
+    every file exists and has the same presses."""
+    parts = [read_kvpress(p) for p in paths]
+    if not all(parts) or any(set(p) != set(parts[0]) for p in parts):
+        return {}
+    return {k: mean(p[k] for p in parts) for k in parts[0]}
+
+
+def verdicts(cells: dict, presses: dict, goal: float) -> list[str]:
+    """One line per learned prefill row and ratio: met iff its mean KL is ≤ ``goal`` × the
+    best heuristic's and ≤ ``goal`` × the best kvpress press's."""
+    lines = []
+    for proto, gran, pol, r in sorted(k for k in cells if k[0] == "prefill" and is_learned(k[2])):
+        kl = mean(cells[(proto, gran, pol, r)])
+        b_pol, b_gran, b_kl = best_heuristic(cells, proto, r)
+        vs_h = kl / mean(b_kl)
+        text = f"{vs_h:.3f}× {b_pol} ({b_gran})"
+        ok = vs_h <= goal
+        if presses:
+            p_kl, method = min((v, m) for (m, rr), v in presses.items() if rr == r)
+            text += f", {kl / p_kl:.3f}× kvpress {method}"
+            ok = ok and kl / p_kl <= goal
+        else:
+            text += ", kvpress not measured"
+        verdict = "**met**" if ok else "**not met**"
+        lines.append(f"* {pol} ({gran}), r = {r}: {kl:.4f}: {text}: {verdict} (goal ≤ {goal}×)")
+    return lines
 
 
 def protocol_table(cells: dict, proto: str, presses: dict) -> list[str]:
@@ -121,32 +170,44 @@ def protocol_table(cells: dict, proto: str, presses: dict) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("folder", type=Path)
+    ap.add_argument("folders", type=Path, nargs="+", metavar="folder")
     ap.add_argument(
         "--runs",
         type=lambda text: text.split(","),
         default=all_runs(),
         help="the runs planned, comma-separated (default: all of distillcache_confirm.sh's)",
     )
+    ap.add_argument(
+        "--out",
+        type=Path,
+        help="the tables (default: FOLDER/tables.md; needed with several folders)",
+    )
+    ap.add_argument("--goal", type=float, help="add the learned prefill rows' verdicts")
     args = ap.parse_args()
-    cells, missing = read_runs(args.folder, args.runs)
-    presses = read_kvpress(args.folder / "kvpress.json")
+    if args.out is None and len(args.folders) > 1:
+        ap.error("--out: needed with several folders")
+    out_path = args.out or args.folders[0] / "tables.md"
+    cells, missing = pool_runs(args.folders, args.runs)
+    presses = pool_kvpress([f / "kvpress.json" for f in args.folders])
+    n = len(next(iter(cells.values()))) if cells else 0
     out = []
     for proto in PROTOCOLS:
         if not any(p == proto for p, *_ in cells):
             continue
         out += [f"## {proto} protocol", "", *protocol_table(cells, proto, presses), ""]
     out.append(
-        "Mean KL in nats per token over the 8 windows. Learned rows: (KL over the best "
-        "heuristic of the protocol at that ratio, over every granularity run; windows of 8 where "
-        "the learned row's KL is below that heuristic's; in the prefill protocol, KL over the "
-        "best kvpress press's mean KL at that ratio)."
+        f"Mean KL in nats per token over the {n} windows. Learned rows: (KL over the best "
+        "heuristic of the protocol at that ratio, over every granularity run; windows of "
+        f"{n} where the learned row's KL is below that heuristic's; in the prefill protocol, KL "
+        "over the best kvpress press's mean KL at that ratio)."
     )
+    if args.goal is not None:
+        out += ["", "Verdicts:", "", *verdicts(cells, presses, args.goal)]
     if not presses and any(run.startswith("prefill") for run in args.runs):
         missing.append("kvpress")
     if missing:
         out += ["", "Runs not (yet) complete: " + ", ".join(missing) + "."]
-    (args.folder / "tables.md").write_text("\n".join(out) + "\n")
+    out_path.write_text("\n".join(out) + "\n")
     print("\n".join(out))
 
 

@@ -46,25 +46,7 @@ case "${1:-}" in
       --base "$shipped" --protocol prefill --ship jaxkv/checkpoints/ranker_kvzip_peak_smollm2_cpu
     cp "$out/third/select.md" "$out/select2.md" ;;
   confirm)  # no candidate won: the shipped blend, once, on the windows kept for the winner
-    text=$(bbh_text)
-    fresh=(--text "$text" --heldout 0.6875 --limit 8 "${window[@]}")
-    heur=critical:h2o,h2o,tova
-    evaluate fidelity "$out/prefill_global_nocap" "${fresh[@]}" --granularity global \
-      "${nocap[@]}" --policies "$shipped,kvzip,oracle"
-    evaluate fidelity "$out/prefill_global" "${fresh[@]}" --granularity global \
-      --policies "$shipped,kvzip,$heur,snapkv,expected_attention,streaming_llm,oracle"
-    evaluate fidelity "$out/prefill_head" "${fresh[@]}" --granularity head \
-      --policies "kvzip,$heur,snapkv,expected_attention,streaming_llm"
-    evaluate fidelity "$out/prefill_layer" "${fresh[@]}" --granularity layer --policies "kvzip,$heur"
-    evaluate fidelity "$out/prefill_adaptive" "${fresh[@]}" --granularity adaptive \
-      --policies "kvzip,$heur"
-    evaluate fidelity "$out/prefill_shared" "${fresh[@]}" --granularity shared --policies "$heur"
-    if [[ ! -f $out/kvpress.json ]]; then  # kvpress's KVzipPress on the same windows
-      OUT=runs/kvpress-prefill-peak RESULTS=$out/kvpress_comparison HELDOUT=0.6875 LIMIT=8 \
-        STEPS="1 2 4 5" PRESSES=KVzipPress scripts/compare_kvpress.sh "$text"
-      cp runs/kvpress-prefill-peak/kvpress.json "$out/kvpress.json"
-    fi
-    "$py" scripts/distillcache_confirm_report.py "$out" --runs \
-      prefill_global_nocap,prefill_global,prefill_head,prefill_layer,prefill_adaptive,prefill_shared ;;
+    prefill_confirm "$out" "$shipped" runs/kvpress-prefill-peak "$(bbh_text)" --heldout 0.6875 \
+      --limit 8 ;;
   *) echo "usage: $0 select | train | select2 | confirm" >&2; exit 2 ;;
 esac

@@ -107,3 +107,42 @@ decode_heldout() {  # OUT POLICIES [OFFSET]: the decode protocols' held-out run 
   decode_runs "$1" "" "${3:-0.125}" "$2" "" --ratios 0.25,0.125
   "$py" scripts/distillcache_confirm_report.py "$1" --runs decode_global,decode_head,decode_layer
 }
+
+prefill_confirm() {  # OUT POLICY KVPRESS_RUN TEXT FLAGS...: the prefill protocol's confirmation
+  # runs on the windows FLAGS select (--heldout, --offset, --limit) of TEXT: POLICY beside
+  # every heuristic at every granularity (global also without floor or cap), then kvpress's
+  # KVzipPress on the same windows (its run folder KVPRESS_RUN, once), and OUT/tables.md
+  local out=$1 policy=$2 run=$3 text=$4
+  shift 4
+  local fresh=(--text "$text" "$@" --window 384 --prompt-len 256 --ratios 0.25,0.125
+    --protocol prefill)
+  local heur=critical:h2o,h2o,tova
+  evaluate fidelity "$out/prefill_global_nocap" "${fresh[@]}" --granularity global \
+    --head-floor 0 --head-cap 8 --policies "$policy,kvzip,oracle"
+  evaluate fidelity "$out/prefill_global" "${fresh[@]}" --granularity global \
+    --policies "$policy,kvzip,$heur,snapkv,expected_attention,streaming_llm,oracle"
+  evaluate fidelity "$out/prefill_head" "${fresh[@]}" --granularity head \
+    --policies "kvzip,$heur,snapkv,expected_attention,streaming_llm"
+  evaluate fidelity "$out/prefill_layer" "${fresh[@]}" --granularity layer --policies "kvzip,$heur"
+  evaluate fidelity "$out/prefill_adaptive" "${fresh[@]}" --granularity adaptive \
+    --policies "kvzip,$heur"
+  evaluate fidelity "$out/prefill_shared" "${fresh[@]}" --granularity shared --policies "$heur"
+  if [[ ! -f $out/kvpress.json ]]; then
+    local env=() flag
+    while (($#)); do
+      flag=$1
+      shift
+      case $flag in
+        --heldout) env+=(HELDOUT="$1") ;;
+        --offset) env+=(OFFSET="$1") ;;
+        --limit) env+=(LIMIT="$1") ;;
+      esac
+      shift
+    done
+    env "${env[@]}" OUT="$run" RESULTS="$out/kvpress_comparison" STEPS="1 2 4 5" \
+      PRESSES=KVzipPress scripts/compare_kvpress.sh "$text"
+    cp "$run/kvpress.json" "$out/kvpress.json"
+  fi
+  "$py" scripts/distillcache_confirm_report.py "$out" --runs \
+    prefill_global_nocap,prefill_global,prefill_head,prefill_layer,prefill_adaptive,prefill_shared
+}

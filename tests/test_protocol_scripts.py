@@ -114,6 +114,32 @@ def test_a_blend_with_a_ranker_is_learned_and_one_of_heuristics_is_not(tmp_path,
     assert "**0.3000** (0.67×, 2/2)" in text and "**0.6000** (0.80×, 2/2)" in text
 
 
+def test_report_pools_folders_and_gives_the_verdict(tmp_path):
+    """Pooled over two parts of 2 windows, the learned row is 0.65 against kvzip's 0.75 (0.867×:
+    not met at 0.85, though part a alone is 0.80×); kvpress's means are averaged, and a part
+    without kvpress leaves that comparison unmeasured."""
+    for part, (learned, kvzip, press) in {"a": (0.4, 0.5, 0.6), "b": (0.9, 1.0, 1.2)}.items():
+        kl = {(p, r): v for p, v in (("rerank@0.5:ranker:x", learned), ("kvzip", kvzip))
+              for r in (0.25, 0.125)}  # fmt: skip
+        _fidelity(tmp_path / part / "prefill_global_nocap", kl, per_window=2)
+        rows = [{"method": "KVzipPress", "ratio": r, "kl_mean": press} for r in (0.25, 0.125)]
+        (tmp_path / part / "kvpress.json").write_text(json.dumps({"rows": rows}))
+    report = [sys.executable, SCRIPTS / "distillcache_confirm_report.py", "--goal", "0.85"]
+    parts = [tmp_path / "a", tmp_path / "b", "--runs", "prefill_global_nocap"]
+    cmd = [*report, *parts, "--out", tmp_path / "pooled.md"]
+    text = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    assert "over the 4 windows" in text and "**0.6500** (0.87×, 4/4; 0.72× kvpress)" in text
+    assert "r = 0.125: 0.6500: 0.867× kvzip (global, no floor or cap), 0.722× kvpress" in text
+    assert text.count("**not met**") == 2 and (tmp_path / "pooled.md").read_text() == text
+    one = subprocess.run([*report, *parts[:1], *parts[2:]], capture_output=True, text=True)
+    assert one.stdout.count("**met**") == 2  # part a alone: 0.80× and 0.67×
+    (tmp_path / "b" / "kvpress.json").unlink()
+    text = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    assert "kvpress not measured" in text and "not (yet) complete: kvpress" in text
+    bad = subprocess.run([*report, *parts], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--out: needed with several folders" in bad.stderr
+
+
 def _retrieval(path: Path, acc: dict) -> Path:
     """A finished retrieval.json with ``acc[policy][task]`` as each r = 0.25 row's accuracy."""
     path.mkdir(parents=True)
@@ -252,3 +278,26 @@ def test_peak_tova_rounds_read_their_own_data_seed(tmp_path, command, seed, fold
         assert args[args.index("--out") + 1] == str(
             tmp_path / "out" / folder / f"retrieval_{granularity}"
         )
+
+
+def test_prefill_pooled_parts_read_the_unread_second_halves(tmp_path):
+    """Each part of the pooled prefill test reads the 8 windows after the first 8 of its slice
+    (PROTOCOL.md) into its own folder, in every run; an unknown part is refused."""
+    log = tmp_path / "calls.txt"
+    fake = tmp_path / "python"  # stands in for jaxkv's Python: records each call, runs nothing
+    fake.write_text(f'#!/usr/bin/env bash\necho "$*" >> {log}\n')
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    (out / "part0.6875").mkdir(parents=True)
+    (out / "part0.6875" / "kvpress.json").write_text("{}")  # kvpress's step: done already
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": str(fake), "OUT": str(out)}
+    script = SCRIPTS / "distillcache_prefill_pooled.sh"
+    subprocess.run(["bash", script, "part", "0.6875"], env=env, check=True)
+    calls = [c.split() for c in log.read_text().splitlines() if c.startswith("-m jaxkv.eval")]
+    assert len(calls) == 6  # global (with and without floor and cap), head, layer, adaptive, shared
+    for args in calls:
+        flags = {"--heldout": "0.6875", "--offset": "3072", "--limit": "8", "--protocol": "prefill"}
+        assert {k: args[args.index(k) + 1] for k in flags} == flags
+        assert Path(args[args.index("--out") + 1]).parent == out / "part0.6875"
+    bad = subprocess.run(["bash", script, "part", "0.5"], env=env, capture_output=True, text=True)
+    assert bad.returncode == 2 and "one of 0.9375 0.6875 0.4375 0.1875" in bad.stderr
