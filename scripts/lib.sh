@@ -110,23 +110,28 @@ decode_heldout() {  # OUT POLICIES [OFFSET]: the decode protocols' held-out run 
 
 prefill_confirm() {  # OUT POLICY KVPRESS_RUN TEXT FLAGS...: the prefill protocol's confirmation
   # runs on the windows FLAGS select (--heldout, --offset, --limit) of TEXT: POLICY beside
-  # every heuristic at every granularity (global also without floor or cap), then kvpress's
-  # KVzipPress on the same windows (its run folder KVPRESS_RUN, once), and OUT/tables.md
+  # every heuristic at the granularities of $PREFILL_RUNS (default all; global_nocap is global
+  # without floor or cap), then kvpress's KVzipPress on the same windows (its run folder
+  # KVPRESS_RUN, once), and OUT/tables.md
   local out=$1 policy=$2 run=$3 text=$4
   shift 4
   local fresh=(--text "$text" "$@" --window 384 --prompt-len 256 --ratios 0.25,0.125
     --protocol prefill)
-  local heur=critical:h2o,h2o,tova
-  evaluate fidelity "$out/prefill_global_nocap" "${fresh[@]}" --granularity global \
-    --head-floor 0 --head-cap 8 --policies "$policy,kvzip,oracle"
-  evaluate fidelity "$out/prefill_global" "${fresh[@]}" --granularity global \
-    --policies "$policy,kvzip,$heur,snapkv,expected_attention,streaming_llm,oracle"
-  evaluate fidelity "$out/prefill_head" "${fresh[@]}" --granularity head \
-    --policies "kvzip,$heur,snapkv,expected_attention,streaming_llm"
-  evaluate fidelity "$out/prefill_layer" "${fresh[@]}" --granularity layer --policies "kvzip,$heur"
-  evaluate fidelity "$out/prefill_adaptive" "${fresh[@]}" --granularity adaptive \
-    --policies "kvzip,$heur"
-  evaluate fidelity "$out/prefill_shared" "${fresh[@]}" --granularity shared --policies "$heur"
+  local heur=critical:h2o,h2o,tova runs=${PREFILL_RUNS:-global_nocap global head layer adaptive shared}
+  local -A flags=(
+    [global_nocap]="--granularity global --head-floor 0 --head-cap 8 --policies $policy,kvzip,oracle"
+    [global]="--granularity global --policies $policy,kvzip,$heur,snapkv,expected_attention,streaming_llm,oracle"
+    [head]="--granularity head --policies kvzip,$heur,snapkv,expected_attention,streaming_llm"
+    [layer]="--granularity layer --policies kvzip,$heur"
+    [adaptive]="--granularity adaptive --policies kvzip,$heur"
+    [shared]="--granularity shared --policies $heur"
+  )
+  local name planned=()
+  for name in $runs; do
+    # shellcheck disable=SC2086  # the flags split into words (no word holds a space)
+    evaluate fidelity "$out/prefill_$name" "${fresh[@]}" ${flags[$name]}
+    planned+=("prefill_$name")
+  done
   if [[ ! -f $out/kvpress.json ]]; then
     local env=() flag
     while (($#)); do
@@ -143,6 +148,5 @@ prefill_confirm() {  # OUT POLICY KVPRESS_RUN TEXT FLAGS...: the prefill protoco
       PRESSES=KVzipPress scripts/compare_kvpress.sh "$text"
     cp "$run/kvpress.json" "$out/kvpress.json"
   fi
-  "$py" scripts/distillcache_confirm_report.py "$out" --runs \
-    prefill_global_nocap,prefill_global,prefill_head,prefill_layer,prefill_adaptive,prefill_shared
+  "$py" scripts/distillcache_confirm_report.py "$out" --runs "$(IFS=,; echo "${planned[*]}")"
 }

@@ -280,7 +280,14 @@ def test_peak_tova_rounds_read_their_own_data_seed(tmp_path, command, seed, fold
         )
 
 
-def test_prefill_pooled_parts_read_the_unread_second_halves(tmp_path):
+@pytest.mark.parametrize(
+    "part, granularities",
+    [
+        ("0.9375", ["global", "global", "head", "layer", "adaptive", "shared"]),
+        ("0.6875", ["global", "global"]),  # the amendment: global in both allocations only
+    ],
+)
+def test_prefill_pooled_parts_read_the_unread_second_halves(tmp_path, part, granularities):
     """Each part of the pooled prefill test reads the 8 windows after the first 8 of its slice
     (PROTOCOL.md) into its own folder, in every run; an unknown part is refused."""
     log = tmp_path / "calls.txt"
@@ -288,16 +295,17 @@ def test_prefill_pooled_parts_read_the_unread_second_halves(tmp_path):
     fake.write_text(f'#!/usr/bin/env bash\necho "$*" >> {log}\n')
     fake.chmod(0o755)
     out = tmp_path / "out"
-    (out / "part0.6875").mkdir(parents=True)
-    (out / "part0.6875" / "kvpress.json").write_text("{}")  # kvpress's step: done already
+    (out / f"part{part}").mkdir(parents=True)
+    (out / f"part{part}" / "kvpress.json").write_text("{}")  # kvpress's step: done already
     env = {"PATH": "/usr/bin:/bin", "PYTHON": str(fake), "OUT": str(out)}
     script = SCRIPTS / "distillcache_prefill_pooled.sh"
-    subprocess.run(["bash", script, "part", "0.6875"], env=env, check=True)
+    subprocess.run(["bash", script, "part", part], env=env, check=True)
     calls = [c.split() for c in log.read_text().splitlines() if c.startswith("-m jaxkv.eval")]
-    assert len(calls) == 6  # global (with and without floor and cap), head, layer, adaptive, shared
+    assert [args[args.index("--granularity") + 1] for args in calls] == granularities
     for args in calls:
-        flags = {"--heldout": "0.6875", "--offset": "3072", "--limit": "8", "--protocol": "prefill"}
+        flags = {"--heldout": part, "--offset": "3072", "--limit": "8", "--protocol": "prefill"}
         assert {k: args[args.index(k) + 1] for k in flags} == flags
-        assert Path(args[args.index("--out") + 1]).parent == out / "part0.6875"
+        assert Path(args[args.index("--out") + 1]).parent == out / f"part{part}"
+    assert "--head-floor" in calls[0] and "--head-floor" not in calls[1]
     bad = subprocess.run(["bash", script, "part", "0.5"], env=env, capture_output=True, text=True)
     assert bad.returncode == 2 and "one of 0.9375 0.6875 0.4375 0.1875" in bad.stderr
