@@ -117,17 +117,19 @@ prefill_confirm() {  # OUT POLICY KVPRESS_RUN TEXT FLAGS...: the prefill protoco
   shift 4
   local fresh=(--text "$text" "$@" --window 384 --prompt-len 256 --ratios 0.25,0.125
     --protocol prefill)
-  local heur=critical:h2o,h2o,tova runs=${PREFILL_RUNS:-global_nocap global head layer adaptive shared}
+  local runs=${PREFILL_RUNS:-global_nocap global head layer adaptive shared}
+  local heur=critical:h2o,h2o,tova more=snapkv,expected_attention,streaming_llm
   local -A flags=(
     [global_nocap]="--granularity global --head-floor 0 --head-cap 8 --policies $policy,kvzip,oracle"
-    [global]="--granularity global --policies $policy,kvzip,$heur,snapkv,expected_attention,streaming_llm,oracle"
-    [head]="--granularity head --policies kvzip,$heur,snapkv,expected_attention,streaming_llm"
+    [global]="--granularity global --policies $policy,kvzip,$heur,$more,oracle"
+    [head]="--granularity head --policies kvzip,$heur,$more"
     [layer]="--granularity layer --policies kvzip,$heur"
     [adaptive]="--granularity adaptive --policies kvzip,$heur"
     [shared]="--granularity shared --policies $heur"
   )
   local name planned=()
   for name in $runs; do
+    [[ -v "flags[$name]" ]] || { echo "prefill_confirm: unknown run '$name'" >&2; return 2; }
     # shellcheck disable=SC2086  # the flags split into words (no word holds a space)
     evaluate fidelity "$out/prefill_$name" "${fresh[@]}" ${flags[$name]}
     planned+=("prefill_$name")
