@@ -137,10 +137,12 @@ def test_prefix_cache_matches_a_scanning_reference(leaf_only, prio_len, mixed_at
 # traces below: the pre-optimisation behaviour, recorded with the code of commit cebcd22 (before
 # the simulator's speed-ups of issue 15, which change no decision). A change here is a changed
 # decision. The learned policies' digests ("kvlearn", the guard) also depend on the PRP's float
-# arithmetic: XLA:CPU fuses multiply-adds where the CPU has FMA, which flips near-tied decisions
-# ("kvlearn" on chat reads 70f4227c13ac25cf on an AVX-512 machine, 3ba95b2d30a365fa on one
-# without FMA). So they are computed in a fresh process with XLA's code generation capped at AVX,
-# the x86-64 floor jaxlib needs, and hold on every x86-64 machine.
+# arithmetic, which flips near-tied decisions ("kvlearn" on chat reads 70f4227c13ac25cf on an
+# AVX-512 machine, 3ba95b2d30a365fa on one without FMA). So they are computed in a fresh process
+# with XLA's code generation capped at AVX, the x86-64 floor jaxlib needs, and Eigen's
+# contractions on one thread: on an AMD EPYC host (session 39) the cap alone still read
+# 70f4227c13ac25cf, and single-threaded Eigen read 3ba95b2d30a365fa (its multi-threaded
+# contractions split the sums by the host's thread pool and caches).
 LEARNED = ("kvlearn", "guard")
 PINNED = {
     ("chat", "mooncake"): "90964f90eba4fd2f",
@@ -189,9 +191,11 @@ def decision_digest(tr: traces_lib.MooncakeTrace, policy: str) -> str:
 def _digest_at_isa_floor(tmp_path, kind: str, policy: str) -> str:
     """``decision_digest`` in a fresh process whose XLA:CPU code generation is capped at AVX.
     YNNPACK's fusions are off too: they pick their kernels from the CPU, not from the cap
-    (on an AVX-512 host they gave the PRP other bits; session 32)."""
+    (on an AVX-512 host they gave the PRP other bits; session 32); and Eigen's contractions
+    run on one thread (on an AMD EPYC host its threaded ones did; session 39)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     flags = "--xla_cpu_max_isa=AVX --xla_cpu_experimental_ynn_fusion_type="
+    flags += " --xla_cpu_multi_thread_eigen=false"
     env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flags}".strip()
     code = (
         "import sys; sys.path.insert(0, sys.argv[1]); import pathlib, "
