@@ -46,7 +46,6 @@ case "${1:-}" in
       --base "$shipped" --protocol prefill --ship jaxkv/checkpoints/ranker_kvzip_peak_smollm2_cpu
     cp "$out/third/select.md" "$out/select2.md" ;;
   confirm)  # no candidate won: the shipped blend, once, on the windows kept for the winner
-    prefill_confirm "$out" "$shipped" runs/kvpress-prefill-peak "$(bbh_text)" --heldout 0.6875 \
-      --limit 8 ;;
+    prefill_confirm "$out" "$shipped" runs/kvpress-prefill-peak "$(bbh_text)" 0.6875 0 ;;
   *) echo "usage: $0 select | train | select2 | confirm" >&2; exit 2 ;;
 esac

@@ -17,7 +17,7 @@ case "${1:-}" in
     [[ " ${parts[*]} " == *" ${2:-} "* ]] || { echo "part: one of ${parts[*]}" >&2; exit 2; }
     [[ $2 == "${parts[0]}" ]] || export PREFILL_RUNS=${PREFILL_RUNS:-global_nocap global}
     prefill_confirm "$out/part$2" "$recommended" "runs/kvpress-prefill-pooled-$2" "$(bbh_text)" \
-      --heldout "$2" --offset 3072 --limit 8 ;;
+      "$2" 3072 ;;
   all)
     for f in "${parts[@]}"; do "$0" part "$f"; done
     "$0" pooled ;;

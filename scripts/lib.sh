@@ -108,15 +108,14 @@ decode_heldout() {  # OUT POLICIES [OFFSET]: the decode protocols' held-out run 
   "$py" scripts/distillcache_confirm_report.py "$1" --runs decode_global,decode_head,decode_layer
 }
 
-prefill_confirm() {  # OUT POLICY KVPRESS_RUN TEXT FLAGS...: the prefill protocol's confirmation
-  # runs on the windows FLAGS select (--heldout, --offset, --limit) of TEXT: POLICY beside
-  # every heuristic at the granularities of $PREFILL_RUNS (default all; global_nocap is global
-  # without floor or cap), then kvpress's KVzipPress on the same windows (its run folder
-  # KVPRESS_RUN, once), and OUT/tables.md
-  local out=$1 policy=$2 run=$3 text=$4
-  shift 4
-  local fresh=(--text "$text" "$@" --window 384 --prompt-len 256 --ratios 0.25,0.125
-    --protocol prefill)
+prefill_confirm() {  # OUT POLICY KVPRESS_RUN TEXT HELDOUT OFFSET: the prefill protocol's
+  # confirmation runs on 8 windows of TEXT (fidelity's --heldout HELDOUT --offset OFFSET):
+  # POLICY beside every heuristic at the granularities of $PREFILL_RUNS (default all;
+  # global_nocap is global without floor or cap), then kvpress's KVzipPress on the same windows
+  # (its run folder KVPRESS_RUN, once), and OUT/tables.md
+  local out=$1 policy=$2 run=$3 text=$4 heldout=$5 offset=$6
+  local fresh=(--text "$text" --heldout "$heldout" --offset "$offset" --limit 8 --window 384
+    --prompt-len 256 --ratios 0.25,0.125 --protocol prefill)
   local runs=${PREFILL_RUNS:-global_nocap global head layer adaptive shared}
   local heur=critical:h2o,h2o,tova more=snapkv,expected_attention,streaming_llm
   local -A flags=(
@@ -135,19 +134,8 @@ prefill_confirm() {  # OUT POLICY KVPRESS_RUN TEXT FLAGS...: the prefill protoco
     planned+=("prefill_$name")
   done
   if [[ ! -f $out/kvpress.json ]]; then
-    local env=() flag
-    while (($#)); do
-      flag=$1
-      shift
-      case $flag in
-        --heldout) env+=(HELDOUT="$1") ;;
-        --offset) env+=(OFFSET="$1") ;;
-        --limit) env+=(LIMIT="$1") ;;
-      esac
-      shift
-    done
-    env "${env[@]}" OUT="$run" RESULTS="$out/kvpress_comparison" STEPS="1 2 4 5" \
-      PRESSES=KVzipPress scripts/compare_kvpress.sh "$text"
+    HELDOUT=$heldout OFFSET=$offset LIMIT=8 OUT=$run RESULTS=$out/kvpress_comparison \
+      STEPS="1 2 4 5" PRESSES=KVzipPress scripts/compare_kvpress.sh "$text"
     cp "$run/kvpress.json" "$out/kvpress.json"
   fi
   "$py" scripts/distillcache_confirm_report.py "$out" --runs "$(IFS=,; echo "${planned[*]}")"
