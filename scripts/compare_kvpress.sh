@@ -20,7 +20,9 @@
 # that part skipped first, 0: fidelity's --offset), RATIOS (0.25,0.125),
 # JAXKV_POLICIES (comma list; add learned:/ranker: names here), GRANULARITIES, PRESSES (names in
 # compare_kvpress_run.PRESSES; default all), OUT, RESULTS (the table's path without suffix), TOL
-# (max |Δlogit| of the full caches), STEPS (which steps to run, default "1 2 3 4 5").
+# (max |Δlogit| of the full caches), STEPS (which steps to run, default "1 2 3 4 5"),
+# KVZIP_REQUEST (jaxkv's kvzip request, fidelity's --kvzip-request; default plain, the request
+# KVzipPress gets here; tables before session 40 were made with chat).
 # Not part of CI. Time on this project's 2-core machine: see results/kvpress_comparison.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -88,7 +90,7 @@ if step 3; then
     .venv/bin/python -m jaxkv.eval fidelity --protocol prefill --granularity "$g" \
       --policies "$policies" --ratios "$ratios" --limit "$limit" "${text_args[@]}" \
       --heldout "$heldout" --offset "$offset" --window "$window" --prompt-len "$prompt_len" \
-      --out "$out/jaxkv-$g"
+      --kvzip-request "${KVZIP_REQUEST:-plain}" --out "$out/jaxkv-$g"
     echo "compare_kvpress: jaxkv $g $((SECONDS - t)) s"
   done
 fi

@@ -7,6 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-.venv/bin/python}
 source scripts/lib.sh
+KVZIP_REQUEST=chat  # kvzip's repeat request in its recorded runs (before session 40)
 out=${OUT:-results/distillcache_blend}
 ranker=ranker:ranker_kvzip_smollm2_cpu
 window=(--window 384 --prompt-len 256 --ratios 0.25,0.125 --protocol prefill --granularity global)

@@ -10,6 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-.venv/bin/python}
 source scripts/lib.sh
+KVZIP_REQUEST=chat  # kvzip's repeat request in its recorded runs (before session 40)
 out=${OUT:-results/distillcache_confirm}
 text=runs/distillcache_confirm/heldout.txt
 [[ -f $text ]] || write_text reasoning "$text"  # jaxkv.rl.data.HELDOUT_DOMAIN

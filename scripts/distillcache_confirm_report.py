@@ -32,7 +32,10 @@ from jaxkv.policies import LEARNED_PREFIX, RANKER_PREFIX, RERANK_PREFIXES, reran
 PROTOCOLS = ("decode", "prefill")
 GRANULARITIES = ("global", "head", "adaptive", "layer", "shared")
 PREFILL_ONLY = ("global_nocap",)  # runs of the prefill protocol alone
-LABELS = {"global_nocap": "global, no floor or cap"}
+LABELS = {
+    "global_nocap": "global, no floor or cap",
+    "global_nocap_chat": "global, no floor or cap, kvzip's chat request",  # before session 40
+}
 LEARNED = (LEARNED_PREFIX, RANKER_PREFIX, *RERANK_PREFIXES)
 RATIOS = (0.25, 0.125)
 

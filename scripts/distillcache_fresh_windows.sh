@@ -7,6 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-.venv/bin/python}
 source scripts/lib.sh
+KVZIP_REQUEST=chat  # kvzip's repeat request in its recorded runs (before session 40)
 out=${OUT:-results/distillcache_fresh}
 text=runs/distillcache_fresh/heldout.txt
 mkdir -p "$out"

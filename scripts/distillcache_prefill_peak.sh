@@ -10,6 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-.venv/bin/python}
 source scripts/lib.sh
+KVZIP_REQUEST=chat  # kvzip's repeat request in its recorded runs (before session 40)
 out=${OUT:-results/distillcache_prefill_peak}
 shipped=rerank@0.5:ranker:ranker_kvzip_smollm2_cpu
 candidates=(rerank@0.5:ranker:ranker_peak_tier_smollm2_cpu
@@ -38,7 +39,7 @@ case "${1:-}" in
     [[ -f $work/kvzip_peak/ranker.json ]] || "$py" -m jaxkv.train ranker \
       --domains prose,math,code,chat --windows-per-domain 12 --steps 1500 --points 128,256,384 \
       --features "$kvzip_features" --target peak --chunk 1 --pool 90 --rows-per-step 270 \
-      --out "$work/kvzip_peak" ;;
+      --kvzip-request "$KVZIP_REQUEST" --out "$work/kvzip_peak" ;;
   select2)
     third=rerank@0.5:ranker:$work/kvzip_peak
     check "$out/third" "$third"

@@ -9,6 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-.venv/bin/python}
 source scripts/lib.sh
+KVZIP_REQUEST=chat  # kvzip's repeat request in its recorded runs (before session 40)
 out=${OUT:-results/distillcache_prefill_pooled}
 recommended=rerank@0.5:ranker:ranker_kvzip_smollm2_cpu
 parts=(0.9375 0.6875 0.4375 0.1875)

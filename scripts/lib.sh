@@ -18,10 +18,13 @@ need_run() {  # RESULT_JSON SCRIPT: exit with a message unless that run finished
 }
 
 evaluate() {  # KIND DIR FLAGS...: python -m jaxkv.eval KIND FLAGS --out DIR, unless that run finished
-  local kind=$1 dir=$2
+  # (fidelity with $KVZIP_REQUEST set: --kvzip-request that; the scripts of runs recorded before
+  # session 40 set chat, kvzip's request then)
+  local kind=$1 dir=$2 request=()
   shift 2
   if finished "$dir/$kind.json"; then echo "skip $dir (done)"; return; fi
-  "$py" -m jaxkv.eval "$kind" "$@" --out "$dir"
+  [[ $kind == fidelity && -n ${KVZIP_REQUEST:-} ]] && request=(--kvzip-request "$KVZIP_REQUEST")
+  "$py" -m jaxkv.eval "$kind" "$@" "${request[@]}" --out "$dir"
 }
 
 prose_tail_check() {  # OUT GRANULARITY POLICIES: decode-protocol fidelity at r = 0.25 and
@@ -110,9 +113,10 @@ decode_heldout() {  # OUT POLICIES [OFFSET]: the decode protocols' held-out run 
 
 prefill_confirm() {  # OUT POLICY KVPRESS_RUN TEXT HELDOUT OFFSET: the prefill protocol's
   # confirmation runs on 8 windows of TEXT (fidelity's --heldout HELDOUT --offset OFFSET):
-  # POLICY beside every heuristic at the granularities of $PREFILL_RUNS (default all;
-  # global_nocap is global without floor or cap), then kvpress's KVzipPress on the same windows
-  # (its run folder KVPRESS_RUN, once), and OUT/tables.md
+  # POLICY beside every heuristic at the granularities of $PREFILL_RUNS (default all but
+  # global_nocap_chat; global_nocap is global without floor or cap, global_nocap_chat the same
+  # with kvzip's repeat request of before session 40), then kvpress's KVzipPress on the same
+  # windows (its run folder KVPRESS_RUN, once), and OUT/tables.md
   local out=$1 policy=$2 run=$3 text=$4 heldout=$5 offset=$6
   local fresh=(--text "$text" --heldout "$heldout" --offset "$offset" --limit 8 --window 384
     --prompt-len 256 --ratios 0.25,0.125 --protocol prefill)
@@ -120,6 +124,8 @@ prefill_confirm() {  # OUT POLICY KVPRESS_RUN TEXT HELDOUT OFFSET: the prefill p
   local heur=critical:h2o,h2o,tova more=snapkv,expected_attention,streaming_llm
   local -A flags=(
     [global_nocap]="--granularity global --head-floor 0 --head-cap 8 --policies $policy,kvzip,oracle"
+    [global_nocap_chat]="--granularity global --head-floor 0 --head-cap 8 --kvzip-request chat
+      --policies $policy,kvzip"
     [global]="--granularity global --policies $policy,kvzip,$heur,$more,oracle"
     [head]="--granularity head --policies kvzip,$heur,$more"
     [layer]="--granularity layer --policies kvzip,$heur"

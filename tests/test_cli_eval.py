@@ -355,6 +355,29 @@ def test_fidelity_offset_past_the_text_fails_before_the_model(tmp_path, capsys, 
     assert status == 2 and "argument --offset: must be an integer >= 0" in err, err
 
 
+def test_fidelity_records_kvzips_request_when_a_policy_reads_its_reconstruction(tmp_path):
+    base = ["fidelity", *TINY, *WINDOWS, "--limit", "1", "--ratios", "0.5", "--seeds", "0"]
+    base += ["--protocol", "prefill"]
+
+    def config(name, *flags):
+        assert eval_lib.main([*base, *flags, "--out", str(tmp_path / name)]) == 0
+        return json.loads((tmp_path / name / "fidelity.json").read_text())["config"]
+
+    assert config("h2o", "--policies", "h2o").get("kvzip_request") is None
+    assert config("plain", "--policies", "kvzip")["kvzip_request"] == "plain"
+    assert (
+        config("chat", "--policies", "h2o,kvzip", "--kvzip-request", "chat")["kvzip_request"]
+        == "chat"
+    )
+
+
+def test_fidelity_unknown_kvzip_request_fails_before_the_model(tmp_path, capsys, no_model):
+    args = ["fidelity", *TINY, "--protocol", "prefill", "--policies", "kvzip"]
+    status, err = _suite([*args, "--kvzip-request", "json", "--out", str(tmp_path / "x")], capsys)
+    assert status == 2 and "argument --kvzip-request: invalid choice: 'json'" in err, err
+    assert not (tmp_path / "x").exists()
+
+
 # ----------------------------------------------------------------------------------------------
 # 7. numeric flags of every subcommand
 

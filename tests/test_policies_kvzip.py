@@ -29,9 +29,56 @@ def state():
     return fidelity.window_state(MODEL, get_policy("kvzip"), WINDOWS, PROMPT)
 
 
+class TemplateTokenizer(ByteTokenizer):
+    """A byte tokenizer with a ChatML chat template (SmolLM2's turn markers)."""
+
+    chat_template = "chatml"
+
+    def apply_chat_template(self, messages, *, tokenize, add_generation_prompt):
+        assert not tokenize
+        text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+        return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+
+def _text(ids) -> str:
+    return bytes(ids.tolist()).decode()
+
+
 def test_the_repeat_request_is_kvpress_prompt_and_a_newline_without_a_template():
     ids = fidelity.repeat_ids(ByteTokenizer())
-    assert bytes(ids.tolist()).decode() == kvzip_lib.REPEAT_PROMPT + "\n"
+    assert _text(ids) == kvzip_lib.REPEAT_PROMPT + "\n"
+
+
+def test_the_chat_request_ends_with_the_templates_assistant_header():
+    """``plain`` (the default) is kvpress's request without a template whatever the tokenizer;
+    ``chat`` is kvpress's with one: the template's text between a user's message and the
+    assistant's answer."""
+    tok = TemplateTokenizer()
+    assert _text(fidelity.repeat_ids(tok)) == kvzip_lib.REPEAT_PROMPT + "\n"
+    chat = _text(fidelity.repeat_ids(tok, "chat"))
+    assert chat == kvzip_lib.REPEAT_PROMPT + "<|im_end|>\n<|im_start|>assistant\n"
+    assert _text(fidelity.repeat_ids(ByteTokenizer(), "chat")) == kvzip_lib.REPEAT_PROMPT + "\n"
+    with pytest.raises(ValueError, match="request must be one of"):
+        fidelity.repeat_ids(tok, "json")
+
+
+def test_the_request_reaches_the_reconstruction_pass():
+    """``window_state``'s scores are those of a pass over prompt + the request + prompt."""
+    model = EvalModel("tiny", CFG, PARAMS, TemplateTokenizer(), stop_tokens=(0,), pad_id=0)
+    scores = {}
+    for request in kvzip_lib.REQUESTS:
+        got = fidelity.window_state(model, get_policy("kvzip"), WINDOWS, PROMPT, request)
+        want = fidelity.prompt_reconstruction(
+            PARAMS,
+            WINDOWS[:, :PROMPT],
+            fidelity.repeat_ids(model.tokenizer, request),
+            config=CFG,
+        )
+        np.testing.assert_array_equal(np.asarray(got.scores), np.asarray(want.scores))
+        scores[request] = np.asarray(got.scores)
+    assert not np.array_equal(scores["plain"], scores["chat"])
+    with pytest.raises(ValueError, match="kvzip_request must be one of"):
+        fidelity.FidelitySettings(kvzip_request="json")
 
 
 def test_scores_are_the_most_attention_a_reconstruction_query_pays(state):

@@ -384,13 +384,17 @@ def test_collected_reconstruction_columns_score_each_points_prefix():
         ranker.collect(PARAMS, CFG, TOKENS, cfg, rng=np.random.default_rng(0))
     with pytest.raises(ValueError, match="prefill protocol"):
         dataclasses.replace(cfg, pruned_ratios=(0.5,))
+    with pytest.raises(ValueError, match="kvzip_request must be one of"):
+        dataclasses.replace(cfg, kvzip_request="json")
 
 
 def test_a_ranker_reading_kvzips_scores_runs_only_where_they_exist(tmp_path):
     out = tmp_path / "rk"
     argv = ["ranker", "--model", "tiny", "--windows-per-domain", "2", "--steps", "3",
-            "--points", "128", "--features", ",".join(RECON), "--out", str(out)]  # fmt: skip
+            "--points", "128", "--features", ",".join(RECON), "--kvzip-request", "chat",
+            "--out", str(out)]  # fmt: skip
     assert train_cli.main(argv) == 0
+    assert json.loads((out / "ranker.json").read_text())["config"]["kvzip_request"] == "chat"
     policy = get_policy(f"ranker:{out}")
     assert policy.window_input == "reconstruction" and policy.protocols == ("prefill",)
     with pytest.raises(ValueError, match="only the fidelity evaluation"):

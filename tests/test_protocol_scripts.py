@@ -280,6 +280,30 @@ def test_peak_tova_rounds_read_their_own_data_seed(tmp_path, command, seed, fold
         )
 
 
+def _part_calls(tmp_path, script: str, part: str) -> tuple[list[list[str]], Path, dict]:
+    """The ``python -m jaxkv.eval`` calls of ``script part PART`` (a fake Python records
+    them; kvpress's step is marked done), its output folder and environment."""
+    log = tmp_path / "calls.txt"
+    fake = tmp_path / "python"  # stands in for jaxkv's Python: records each call, runs nothing
+    fake.write_text(f'#!/usr/bin/env bash\necho "$*" >> {log}\n')
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    (out / f"part{part}").mkdir(parents=True)
+    (out / f"part{part}" / "kvpress.json").write_text("{}")  # kvpress's step: done already
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": str(fake), "OUT": str(out)}
+    subprocess.run(["bash", SCRIPTS / script, "part", part], env=env, check=True)
+    calls = [c.split() for c in log.read_text().splitlines() if c.startswith("-m jaxkv.eval")]
+    for args in calls:
+        flags = {"--heldout": part, "--offset": "3072", "--limit": "8", "--protocol": "prefill"}
+        assert {k: args[args.index(k) + 1] for k in flags} == flags
+        assert Path(args[args.index("--out") + 1]).parent == out / f"part{part}"
+    return calls, out, env
+
+
+def _request(args: list[str]) -> str | None:
+    return args[args.index("--kvzip-request") + 1] if "--kvzip-request" in args else None
+
+
 @pytest.mark.parametrize(
     "part, granularities",
     [
@@ -289,23 +313,24 @@ def test_peak_tova_rounds_read_their_own_data_seed(tmp_path, command, seed, fold
 )
 def test_prefill_pooled_parts_read_the_unread_second_halves(tmp_path, part, granularities):
     """Each part of the pooled prefill test reads the 8 windows after the first 8 of its slice
-    (PROTOCOL.md) into its own folder, in every run; an unknown part is refused."""
-    log = tmp_path / "calls.txt"
-    fake = tmp_path / "python"  # stands in for jaxkv's Python: records each call, runs nothing
-    fake.write_text(f'#!/usr/bin/env bash\necho "$*" >> {log}\n')
-    fake.chmod(0o755)
-    out = tmp_path / "out"
-    (out / f"part{part}").mkdir(parents=True)
-    (out / f"part{part}" / "kvpress.json").write_text("{}")  # kvpress's step: done already
-    env = {"PATH": "/usr/bin:/bin", "PYTHON": str(fake), "OUT": str(out)}
-    script = SCRIPTS / "distillcache_prefill_pooled.sh"
-    subprocess.run(["bash", script, "part", part], env=env, check=True)
-    calls = [c.split() for c in log.read_text().splitlines() if c.startswith("-m jaxkv.eval")]
+    (PROTOCOL.md) into its own folder, in every run, with kvzip's repeat request of its
+    recorded runs (chat); an unknown part is refused."""
+    calls, _, env = _part_calls(tmp_path, "distillcache_prefill_pooled.sh", part)
     assert [args[args.index("--granularity") + 1] for args in calls] == granularities
-    for args in calls:
-        flags = {"--heldout": part, "--offset": "3072", "--limit": "8", "--protocol": "prefill"}
-        assert {k: args[args.index(k) + 1] for k in flags} == flags
-        assert Path(args[args.index("--out") + 1]).parent == out / f"part{part}"
     assert "--head-floor" in calls[0] and "--head-floor" not in calls[1]
+    assert {_request(args) for args in calls} == {"chat"}
+    script = SCRIPTS / "distillcache_prefill_pooled.sh"
     bad = subprocess.run(["bash", script, "part", "0.5"], env=env, capture_output=True, text=True)
     assert bad.returncode == 2 and "one of 0.9375 0.6875 0.4375 0.1875" in bad.stderr
+
+
+@pytest.mark.parametrize("part, first", [("0.875", True), ("0.125", False)])
+def test_kvzip_plain_parts_run_both_requests_on_unread_windows(tmp_path, part, first):
+    """results/distillcache_kvzip_plain/PROTOCOL.md: per part, global without floor or cap with
+    the plain request (the default: no flag) and with the chat one, and on the first part the
+    default allocation's heuristics too."""
+    calls, _, _ = _part_calls(tmp_path, "distillcache_kvzip_plain.sh", part)
+    runs = [(Path(args[args.index("--out") + 1]).name, _request(args)) for args in calls]
+    want = [("prefill_global_nocap", None), ("prefill_global_nocap_chat", "chat")]
+    assert runs == want + ([("prefill_global", None)] if first else [])
+    assert all("--head-floor" in args for args in calls[:2])

@@ -29,8 +29,9 @@ need the ``hf`` extra). ``fidelity``, ``retrieval`` and ``agreement`` also take 
 {decode,prefill}`` (evict at every decode step, or compress the prompt once) and
 ``--granularity {shared,layer,head,adaptive,global}`` (``jaxkv.eviction``; recorded in the result
 file's config when not the default); ``fidelity`` also takes ``--kv-dtype {model,int8}``
-(an int8 KV cache, ``jaxkv.kvcache``; recorded likewise); ``fidelity`` alone can run the
-``oracle`` bound.
+(an int8 KV cache, ``jaxkv.kvcache``; recorded likewise) and ``--kvzip-request
+{plain,chat}`` (what follows kvzip's repeat prompt; recorded when a policy reads kvzip's
+reconstruction); ``fidelity`` alone can run the ``oracle`` bound.
 
 Every argument is checked before anything loads or is written: numbers by their flag types
 (``jaxkv.cli.flags``), then the lists, policies (learned checkpoints included), input files and
@@ -70,7 +71,7 @@ from jaxkv.evals import (
     runner,
 )
 from jaxkv.model.loading import cache_dir
-from jaxkv.policies import needs_window
+from jaxkv.policies import kvzip, needs_window
 
 HEURISTICS = "random,streaming_llm,h2o,snapkv,tova,keydiff,knorm"
 SHIPPED_POLICY = "learned:distillcache_smollm2_cpu"
@@ -260,6 +261,15 @@ def _fidelity_flags(parser: argparse.ArgumentParser) -> None:
         "(per-slot scales); the reference is always the model's full cache, and with int8 "
         "the full row is the int8 full cache",
     )
+    parser.add_argument(
+        "--kvzip-request",
+        default="plain",
+        choices=kvzip.REQUESTS,
+        help="what follows kvzip's repeat prompt in its reconstruction pass: plain, a newline "
+        "(kvpress without a chat template; for raw-text windows) or chat, the chat template's "
+        "assistant header (jaxkv before session 40); recorded in the result file's config "
+        "when a policy reads the reconstruction",
+    )
     _selection_flags(parser)
     _pooling_flags(parser)
     parser.add_argument(
@@ -322,6 +332,7 @@ def _fidelity(args: argparse.Namespace, job: runner.Job) -> report.ResultStore:
         head_floor=args.head_floor,
         head_cap=args.head_cap,
         evict_every=args.evict_every,
+        kvzip_request=args.kvzip_request,
     )
 
 

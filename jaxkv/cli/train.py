@@ -16,6 +16,7 @@ from jaxkv.cli import flags
 from jaxkv.cli.kvlearn import train_main as kvlearn_main
 from jaxkv.cli.suite import check_out_dir, new_run_dir
 from jaxkv.evals.runner import load_eval_model, parse_ratios
+from jaxkv.policies import kvzip as kvzip_lib
 from jaxkv.rl import loop
 from jaxkv.rl import ranker as ranker_lib
 from jaxkv.rl.config import TrainConfig
@@ -114,6 +115,14 @@ def ranker_parser() -> argparse.ArgumentParser:
         "whose output layer starts at zero (e.g. log_recon: start from kvzip's score)",
     )
     ap.add_argument(
+        "--kvzip-request",
+        default=d.kvzip_request,
+        choices=kvzip_lib.REQUESTS,
+        help="what follows kvzip's repeat prompt when the features read its reconstruction "
+        "(log_recon, z_recon): plain, a newline, or chat, the chat template's assistant header "
+        "(how the shipped kvzip rankers were trained)",
+    )
+    ap.add_argument(
         "--pool",
         type=flags.positive_int,
         default=d.pool,
@@ -185,6 +194,7 @@ def ranker_main(argv: list[str]) -> int:
             points=parse_points(args.points),
             horizon=args.horizon,
             chunk=args.chunk,
+            kvzip_request=args.kvzip_request,
         )
         out = check_out_dir(args.out) if args.out else new_run_dir("ranker")
         model = load_eval_model(args.model)

@@ -91,6 +91,7 @@ class FidelitySettings:
         head_floor, head_cap: the pooled granularities' per-head bounds
             (``Compression.head_floor`` / ``head_cap``); None: ``Compression``'s defaults.
         evict_every: decode steps between evictions (``Compression.evict_every``); None: 1.
+        kvzip_request: what follows kvzip's repeat prompt (``kvzip.REQUESTS``, ``repeat_ids``).
     """
 
     prompt_len: int = 256
@@ -102,10 +103,15 @@ class FidelitySettings:
     head_floor: float | None = None
     head_cap: float | None = None
     evict_every: int | None = None
+    kvzip_request: str = "plain"
 
     def __post_init__(self):
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
+        if self.kvzip_request not in kvzip_lib.REQUESTS:
+            raise ValueError(
+                f"kvzip_request must be one of {kvzip_lib.REQUESTS}, got {self.kvzip_request!r}"
+            )
 
     @property
     def compression_options(self) -> dict:
@@ -151,7 +157,9 @@ def stream_logits(
         if real < b:  # keep one compiled shape: pad with copies of the last window
             chunk = np.concatenate([chunk, np.repeat(chunk[-1:], b - real, axis=0)])
         if from_window:
-            policy_state = window_state(model, compression.policy, chunk, settings.prompt_len)
+            policy_state = window_state(
+                model, compression.policy, chunk, settings.prompt_len, settings.kvzip_request
+            )
         logits, _ = teacher_forced(
             model.params,
             chunk,
@@ -166,10 +174,12 @@ def stream_logits(
     return np.concatenate(out)
 
 
-def window_state(model: EvalModel, policy, windows_BT: np.ndarray, prompt_len: int):
+def window_state(
+    model: EvalModel, policy, windows_BT: np.ndarray, prompt_len: int, request: str = "plain"
+):
     """The state of a policy that reads the windows themselves (``Policy.window_input``): the
-    oracle's future attention, or kvzip's reconstruction scores of the prompts (module
-    docstring), passed to the policy's ``init``."""
+    oracle's future attention, or kvzip's reconstruction scores of the prompts after the
+    repeat ``request`` (module docstring), passed to the policy's ``init``."""
     if policy.window_input == "future":
         attn = full_cache_attention(
             model.params, windows_BT, prompt_len=prompt_len, config=model.config
@@ -178,7 +188,7 @@ def window_state(model: EvalModel, policy, windows_BT: np.ndarray, prompt_len: i
     else:
         prompts = windows_BT[:, :prompt_len]
         given = prompt_reconstruction(
-            model.params, prompts, repeat_ids(model.tokenizer), config=model.config
+            model.params, prompts, repeat_ids(model.tokenizer, request), config=model.config
         )
     return policy.init(**{policy.window_input: given})
 
@@ -195,12 +205,15 @@ def prompt_reconstruction(
     return kvzip_lib.reconstruction(attn, S)
 
 
-def repeat_ids(tokenizer) -> np.ndarray:
-    """kvzip's repeat request: ``kvzip.REPEAT_PROMPT`` and what the chat template puts between
-    a user's message and the assistant's answer (kvpress's suffix; a newline without a
-    template), without special tokens added around them."""
+def repeat_ids(tokenizer, request: str = "plain") -> np.ndarray:
+    """kvzip's repeat request: ``kvzip.REPEAT_PROMPT``, then (``request``, ``kvzip.REQUESTS``)
+    a newline (``plain``: kvpress's suffix without a chat template) or what the chat template
+    puts between a user's message and the assistant's answer (``chat``: kvpress's suffix with
+    one; a newline when the tokenizer has none), without special tokens added around them."""
+    if request not in kvzip_lib.REQUESTS:
+        raise ValueError(f"request must be one of {kvzip_lib.REQUESTS}, got {request!r}")
     suffix = "\n"
-    if getattr(tokenizer, "chat_template", None):
+    if request == "chat" and getattr(tokenizer, "chat_template", None):
         dummy, sep = "dummy context", "\n" + "#" * len("dummy context")
         text = tokenizer.apply_chat_template(
             [{"role": "user", "content": dummy + sep}], tokenize=False, add_generation_prompt=True
@@ -425,6 +438,11 @@ def _non_default_selection(settings: FidelitySettings) -> dict:
     }
 
 
+def _reads_reconstruction(job: Job) -> bool:
+    """Some policy of ``job`` reads kvzip's reconstruction pass (``Policy.window_input``)."""
+    return any(p.window_input == "reconstruction" for g in job.groups for p in g.members)
+
+
 def check_selection(job: Job, settings: FidelitySettings | None = None) -> None:
     """Every evicting policy of ``job`` supports its row's granularity and the protocol, and
     the ``Compression`` options of ``settings`` (None: none) are valid (raises the
@@ -484,6 +502,7 @@ def evaluate(
     head_floor: float | None = None,
     head_cap: float | None = None,
     evict_every: int | None = None,
+    kvzip_request: str = "plain",
 ) -> report.ResultStore:
     """Cuts the text into ``job.limit`` windows and runs ``run``; returns the finished store.
 
@@ -503,6 +522,8 @@ def evaluate(
         head_floor, head_cap: per-head bounds of ``adaptive`` and ``global`` (None: the
             defaults; an error with any other granularity).
         evict_every: decode steps between evictions (None: 1; the ``decode`` protocol only).
+        kvzip_request: what follows kvzip's repeat prompt (``FidelitySettings``); in the
+            result file's config when a policy reads kvzip's reconstruction.
 
     Raises:
         ValueError, FileNotFoundError: ``prompt_len`` not below ``window``, a policy that
@@ -524,6 +545,7 @@ def evaluate(
         head_floor=head_floor,
         head_cap=head_cap,
         evict_every=evict_every,
+        kvzip_request=kvzip_request,
     )
     check_selection(job, settings)
     if text is not None and wikitext is not None:
@@ -554,6 +576,7 @@ def evaluate(
             "heldout": heldout,
             **({"offset": offset} if offset else {}),  # earlier files stay byte for byte
             **_non_default_selection(settings),
+            **({"kvzip_request": kvzip_request} if _reads_reconstruction(job) else {}),
         },
         summarize=summarize,
         render=render,

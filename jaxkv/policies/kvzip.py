@@ -11,7 +11,12 @@ As kvpress's ``KVzipPress`` (0.5.5), with these departures:
 
 * the attention is the mean over the KV group's G query heads before the max over queries
   (the ``attn`` statistic of ``jaxkv.generate.full_cache_attention``); KVzip takes the max
-  over the group's heads too;
+  over the group's heads too (tried in session 40: worse here, docs/distillcache.md);
+* the repeat request, ``REPEAT_PROMPT`` and then a newline (``REQUESTS``' ``plain``), is
+  kvpress's for a tokenizer without a chat template: the prompts here are raw text, not a
+  user's turn. With a template kvpress puts the template's assistant header after the prompt
+  (``chat``), as jaxkv did before session 40; on raw text that scored worse
+  (docs/distillcache.md, session 40);
 * the whole prompt is the context, in one chunk (kvpress reconstructs chunks of 2048 tokens
   and, with a chat template, leaves the template's prefix tokens unscored);
 * the reconstruction queries attend over the whole cache; kvpress's over the sinks, the chunk
@@ -34,6 +39,10 @@ from jaxkv.policies.base import TIER, Policy
 
 NAME = "kvzip"
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly."  # kvpress's first-chunk prompt
+# What follows the repeat prompt (``jaxkv.evals.fidelity.repeat_ids``): ``plain``, a newline
+# (kvpress without a chat template; the default), or ``chat``, the chat template's text between
+# a user's message and the assistant's answer (kvpress with one; jaxkv before session 40).
+REQUESTS = ("plain", "chat")
 N_SINK = 4  # kvpress's default
 
 

@@ -113,6 +113,7 @@ class RankerConfig:
     features: tuple[str, ...] = ranker_lib.DEFAULT_FEATURES  # the columns the ranker reads
     pool: int = 1  # rows per ListNet softmax (module docstring)
     base: str | None = None  # a residual ranker's base feature, one of ``features``
+    kvzip_request: str = "plain"  # the reconstruction features' repeat request (kvzip.REQUESTS)
 
     def __post_init__(self):
         if self.pool < 1 or self.rows_per_step % self.pool:
@@ -135,6 +136,10 @@ class RankerConfig:
             raise ValueError(f"features must be some of {ranker_lib.FEATURES}, got {unknown}")
         if self.base is not None and self.base not in self.features:
             raise ValueError(f"base must be one of the features, got {self.base!r}")
+        if self.kvzip_request not in kvzip_lib.REQUESTS:
+            raise ValueError(
+                f"kvzip_request must be one of {kvzip_lib.REQUESTS}, got {self.kvzip_request!r}"
+            )
         if self.reconstructs and self.pruned_ratios:
             raise ValueError(
                 "the reconstruction features (kvzip's scores of the prompt) exist only in the "
@@ -426,7 +431,7 @@ def train(model, cfg: RankerConfig, out: Path) -> Path:
 def collect_splits(model, cfg: RankerConfig) -> dict[str, list[list[RowSet]]]:
     """Rows of every training domain's train and validation windows: split -> per domain."""
     rng = np.random.default_rng(cfg.seed)
-    repeat = repeat_ids(model.tokenizer) if cfg.reconstructs else None
+    repeat = repeat_ids(model.tokenizer, cfg.kvzip_request) if cfg.reconstructs else None
     return {
         split: [
             collect(model.params, model.config, w, cfg, rng=rng, repeat_R=repeat)
