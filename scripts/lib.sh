@@ -122,10 +122,10 @@ prefill_confirm() {  # OUT POLICY KVPRESS_RUN TEXT HELDOUT OFFSET: the prefill p
     --prompt-len 256 --ratios 0.25,0.125 --protocol prefill)
   local runs=${PREFILL_RUNS:-global_nocap global head layer adaptive shared}
   local heur=critical:h2o,h2o,tova more=snapkv,expected_attention,streaming_llm
+  local nocap="--granularity global --head-floor 0 --head-cap 8"
   local -A flags=(
-    [global_nocap]="--granularity global --head-floor 0 --head-cap 8 --policies $policy,kvzip,oracle"
-    [global_nocap_chat]="--granularity global --head-floor 0 --head-cap 8 --kvzip-request chat
-      --policies $policy,kvzip"
+    [global_nocap]="$nocap --policies $policy,kvzip,oracle"
+    [global_nocap_chat]="$nocap --kvzip-request chat --policies $policy,kvzip"
     [global]="--granularity global --policies $policy,kvzip,$heur,$more,oracle"
     [head]="--granularity head --policies kvzip,$heur,$more"
     [layer]="--granularity layer --policies kvzip,$heur"

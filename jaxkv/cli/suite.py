@@ -263,7 +263,7 @@ def _fidelity_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--kvzip-request",
-        default="plain",
+        default=kvzip.DEFAULT_REQUEST,
         choices=kvzip.REQUESTS,
         help="what follows kvzip's repeat prompt in its reconstruction pass: plain, a newline "
         "(kvpress without a chat template; for raw-text windows) or chat, the chat template's "

@@ -103,15 +103,12 @@ class FidelitySettings:
     head_floor: float | None = None
     head_cap: float | None = None
     evict_every: int | None = None
-    kvzip_request: str = "plain"
+    kvzip_request: str = kvzip_lib.DEFAULT_REQUEST
 
     def __post_init__(self):
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
-        if self.kvzip_request not in kvzip_lib.REQUESTS:
-            raise ValueError(
-                f"kvzip_request must be one of {kvzip_lib.REQUESTS}, got {self.kvzip_request!r}"
-            )
+        kvzip_lib.check_request(self.kvzip_request)
 
     @property
     def compression_options(self) -> dict:
@@ -175,7 +172,11 @@ def stream_logits(
 
 
 def window_state(
-    model: EvalModel, policy, windows_BT: np.ndarray, prompt_len: int, request: str = "plain"
+    model: EvalModel,
+    policy,
+    windows_BT: np.ndarray,
+    prompt_len: int,
+    request: str = kvzip_lib.DEFAULT_REQUEST,
 ):
     """The state of a policy that reads the windows themselves (``Policy.window_input``): the
     oracle's future attention, or kvzip's reconstruction scores of the prompts after the
@@ -205,13 +206,12 @@ def prompt_reconstruction(
     return kvzip_lib.reconstruction(attn, S)
 
 
-def repeat_ids(tokenizer, request: str = "plain") -> np.ndarray:
+def repeat_ids(tokenizer, request: str = kvzip_lib.DEFAULT_REQUEST) -> np.ndarray:
     """kvzip's repeat request: ``kvzip.REPEAT_PROMPT``, then (``request``, ``kvzip.REQUESTS``)
     a newline (``plain``: kvpress's suffix without a chat template) or what the chat template
     puts between a user's message and the assistant's answer (``chat``: kvpress's suffix with
     one; a newline when the tokenizer has none), without special tokens added around them."""
-    if request not in kvzip_lib.REQUESTS:
-        raise ValueError(f"request must be one of {kvzip_lib.REQUESTS}, got {request!r}")
+    kvzip_lib.check_request(request)
     suffix = "\n"
     if request == "chat" and getattr(tokenizer, "chat_template", None):
         dummy, sep = "dummy context", "\n" + "#" * len("dummy context")
@@ -502,7 +502,7 @@ def evaluate(
     head_floor: float | None = None,
     head_cap: float | None = None,
     evict_every: int | None = None,
-    kvzip_request: str = "plain",
+    kvzip_request: str = kvzip_lib.DEFAULT_REQUEST,
 ) -> report.ResultStore:
     """Cuts the text into ``job.limit`` windows and runs ``run``; returns the finished store.
 

@@ -43,6 +43,7 @@ REPEAT_PROMPT = "\n\nRepeat the previous context exactly."  # kvpress's first-ch
 # (kvpress without a chat template; the default), or ``chat``, the chat template's text between
 # a user's message and the assistant's answer (kvpress with one; jaxkv before session 40).
 REQUESTS = ("plain", "chat")
+DEFAULT_REQUEST = "plain"
 N_SINK = 4  # kvpress's default
 
 
@@ -72,6 +73,12 @@ def reconstruction(attn_QLBKT: jax.Array, prompt_len: int) -> Reconstruction:
         prompt_len: S, the prompt tokens; positions ``>= S`` are the reconstruction's own.
     """
     return Reconstruction(scores=jnp.max(attn_QLBKT[..., :prompt_len].astype(jnp.float32), axis=0))
+
+
+def check_request(request: str) -> None:
+    """Raises ValueError unless ``request`` is one of ``REQUESTS``."""
+    if request not in REQUESTS:
+        raise ValueError(f"kvzip_request must be one of {REQUESTS}, got {request!r}")
 
 
 def kvzip(*, n_sink: int = N_SINK) -> Policy:

@@ -113,7 +113,7 @@ class RankerConfig:
     features: tuple[str, ...] = ranker_lib.DEFAULT_FEATURES  # the columns the ranker reads
     pool: int = 1  # rows per ListNet softmax (module docstring)
     base: str | None = None  # a residual ranker's base feature, one of ``features``
-    kvzip_request: str = "plain"  # the reconstruction features' repeat request (kvzip.REQUESTS)
+    kvzip_request: str = kvzip_lib.DEFAULT_REQUEST  # the reconstruction features' repeat request
 
     def __post_init__(self):
         if self.pool < 1 or self.rows_per_step % self.pool:
@@ -136,10 +136,7 @@ class RankerConfig:
             raise ValueError(f"features must be some of {ranker_lib.FEATURES}, got {unknown}")
         if self.base is not None and self.base not in self.features:
             raise ValueError(f"base must be one of the features, got {self.base!r}")
-        if self.kvzip_request not in kvzip_lib.REQUESTS:
-            raise ValueError(
-                f"kvzip_request must be one of {kvzip_lib.REQUESTS}, got {self.kvzip_request!r}"
-            )
+        kvzip_lib.check_request(self.kvzip_request)
         if self.reconstructs and self.pruned_ratios:
             raise ValueError(
                 "the reconstruction features (kvzip's scores of the prompt) exist only in the "
