@@ -23,7 +23,7 @@ from jaxkv.policies import ranker as ranker_lib
 from jaxkv.policies.base import TIER
 from jaxkv.policies.learned import checkpoint_path
 from jaxkv.rl import ranker
-from jaxkv.rl.data import HELDOUT_DOMAIN
+from jaxkv.rl.data import HELDOUT_DOMAIN, domain_text
 
 CFG = ModelConfig.tiny()
 PARAMS = init_params(CFG, key=jax.random.key(0), scale=0.2)
@@ -338,6 +338,18 @@ def test_shipped_rankers_load_and_never_read_the_held_out_domain(name, pool):
     peak = meta["config"]["target"] == "peak"  # needs one query per pass (``chunk`` 1)
     assert peak == (name == "ranker_peak_tier_smollm2_cpu")
     assert peak == (meta["config"]["chunk"] == 1)
+
+
+def test_validation_text_is_each_training_domains_text_after_the_validation_cut():
+    """With byte tokens, each domain's piece is its text from 100 bytes after the split that
+    ``domain_windows`` trains before: never a training window's text."""
+    cfg = ranker.RankerConfig(domains=("prose", "math"), val_fraction=0.2)
+    text = ranker.validation_text(ByteTokenizer(), cfg, windows=2, window=30).encode()
+    assert len(text) == 2 * (2 * 30 + 40)
+    for i, domain in enumerate(cfg.domains):
+        full = domain_text(domain).encode()
+        cut = int(len(full) * 0.8)
+        assert text[i * 100 : (i + 1) * 100] == full[cut + 100 : cut + 200]
 
 
 @pytest.mark.parametrize(

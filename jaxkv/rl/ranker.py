@@ -194,6 +194,24 @@ def domain_windows(tokenizer, cfg: RankerConfig, *, split: str) -> dict[str, np.
     return out
 
 
+def validation_text(
+    tokenizer, cfg: RankerConfig | None = None, *, windows: int = 2, window: int = 384
+) -> str:
+    """Text for ``python -m jaxkv.eval fidelity --text`` from the validation part of each
+    training domain (``domain_windows``' split: tokens after ``1 - val_fraction`` of the
+    domain, never trained on): ``windows`` × ``window`` tokens (plus 40 of slack) starting 100
+    tokens after the cut, decoded and concatenated. The validation windows the ranker
+    selection rules were written for (results/ranker_global_selection.md)."""
+    cfg = cfg or RankerConfig()
+    chat = tokenizer if hasattr(tokenizer, "apply_chat_template") else None
+    parts = []
+    for domain in cfg.domains:
+        ids = np.asarray(token_ids(tokenizer, domain_text(domain, tokenizer=chat)))
+        start = int(ids.size * (1 - cfg.val_fraction)) + 100
+        parts.append(tokenizer.decode(ids[start : start + windows * window + 40].tolist()))
+    return "".join(parts)
+
+
 @functools.partial(jax.jit, static_argnames=("config", "capacity", "n"))
 def _prefill(params, tokens, *, config, capacity, n):
     cache = kvcache.init_cache(
