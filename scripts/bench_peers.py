@@ -363,6 +363,8 @@ def make_engines(args, client):
     try:
         int8 = jaxkv.load("smollm2-135m", dtype="int8")
         engines["jaxkv int8"] = JaxEngine(int8, label="int8")
+        if args.f16_cache:  # llama.cpp Q8_0's default KV precision
+            engines["jaxkv int8 + f16 KV"] = JaxEngine(int8, label="int8-kv16", kv_dtype="float16")
         if args.int8_cache:
             engines["jaxkv int8 + int8 KV"] = JaxEngine(int8, label="int8-kv8", kv_dtype="int8")
     except ValueError as e:
@@ -464,6 +466,7 @@ PAIRS = [  # (ours, peer): ours' speed relative to the peer's, >1 = ours faster
     ("jaxkv f32 out-first + f16 KV", "llama.cpp F32"),
     ("jaxkv f32 out-first", "jaxkv f32"),
     ("jaxkv int8", "llama.cpp Q8_0"),
+    ("jaxkv int8 + f16 KV", "llama.cpp Q8_0"),
     ("jaxkv int8 + int8 KV", "llama.cpp Q8_0"),
     ("jaxkv f32", "llama.cpp Q8_0"),
 ]
@@ -533,7 +536,8 @@ def main():
     ap.add_argument(
         "--f16-cache",
         action="store_true",
-        help="also jaxkv f32 weights with a float16 KV cache (llama.cpp's default KV precision)",
+        help="also jaxkv f32 and int8 weights with a float16 KV cache (llama.cpp's default KV "
+        "precision)",
     )
     ap.add_argument("--no-batch8", action="store_true", help="skip the batch-8 decode rows")
     ap.add_argument("--llama-types", default=",".join(LLAMA_TYPES))
