@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
 # results/ranker_kvzip_plain/PROTOCOL.md: the kvzip ranker retrained with kvzip's plain repeat
 # request. `train` trains the candidate (runs/kvzip_plain/ranker); `validate` scores it against
-# the shipped recommendation on the training domains' validation windows (the choice);
-# `part F` (F in 1 0.8125) runs the held-out test on the unread second half of that BIG-Bench
-# Hard slice (--heldout F --offset 3072 --limit 8; the default allocation's heuristics on the
-# first); `pooled` writes the 16 windows' tables and the verdict. A finished run is skipped.
+# the shipped recommendation on the training domains' validation windows (the choice). The
+# candidate was not chosen, so the protocol's held-out test has no step here. A finished run is
+# skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-.venv/bin/python}
@@ -13,10 +12,8 @@ out=${OUT:-results/ranker_kvzip_plain}
 work=runs/kvzip_plain
 candidate=$work/ranker
 shipped=rerank@0.5:ranker:ranker_kvzip_smollm2_cpu
-chosen=rerank@0.5:ranker:ranker_kvzip_plain_smollm2_cpu
 features=log_attn,log_attn_var,log_attn_cum,log_attn_mean,log_recent,entropy,log_vnorm,log_age
 features+=,log_pos,pos_frac,depth,z_attn_cum,z_recent,log_recon,z_recon
-parts=(1 0.8125)
 case "${1:-}" in
   train)
     "$py" -m jaxkv.train ranker --windows-per-domain 12 --steps 1500 --target value --pool 90 \
@@ -33,14 +30,5 @@ open(sys.argv[1], 'w').write(validation_text(load_eval_model('smollm2-135m').tok
       --prompt-len 256 --protocol prefill --granularity global --head-floor 0 --head-cap 8 \
       --ratios 0.25,0.125 --kvzip-request plain \
       --policies "rerank@0.5:ranker:$candidate,$shipped,kvzip,ranker:$candidate,ranker:ranker_kvzip_smollm2_cpu" ;;
-  part)
-    [[ " ${parts[*]} " == *" ${2:-} "* ]] || { echo "part: one of ${parts[*]}" >&2; exit 2; }
-    runs=global_nocap
-    [[ $2 == "${parts[0]}" ]] && runs+=" global"
-    PREFILL_RUNS=$runs prefill_confirm "$out/part$2" "$chosen,$shipped" \
-      "runs/kvpress-kvzip-plain-$2" "$(bbh_text)" "$2" 3072 ;;
-  pooled)
-    "$py" scripts/distillcache_confirm_report.py "${parts[@]/#/$out/part}" --goal 0.85 \
-      --runs prefill_global_nocap --out "$out/pooled.md" ;;
-  *) echo "usage: $0 train | validate | part F | pooled" >&2; exit 2 ;;
+  *) echo "usage: $0 train | validate" >&2; exit 2 ;;
 esac

@@ -336,19 +336,6 @@ def test_kvzip_plain_parts_run_both_requests_on_unread_windows(tmp_path, part, f
     assert all("--head-floor" in args for args in calls[:2])
 
 
-@pytest.mark.parametrize("part, first", [("1", True), ("0.8125", False)])
-def test_ranker_kvzip_plain_parts_run_both_rankers_on_unread_windows(tmp_path, part, first):
-    """results/ranker_kvzip_plain/PROTOCOL.md: per part, the chosen and the shipped rerank at
-    global without floor or cap with the plain request, and the default allocation's heuristics
-    on the first part."""
-    calls, _, _ = _part_calls(tmp_path, "ranker_kvzip_plain.sh", part)
-    runs = [Path(args[args.index("--out") + 1]).name for args in calls]
-    assert runs == ["prefill_global_nocap"] + (["prefill_global"] if first else [])
-    policies = calls[0][calls[0].index("--policies") + 1].split(",")
-    reranks = [f"rerank@0.5:ranker:ranker_kvzip{s}_smollm2_cpu" for s in ("_plain", "")]
-    assert policies[:2] == reranks and {_request(a) for a in calls} == {None}
-
-
 def test_ranker_kvzip_plain_validation_reads_only_the_training_domains(tmp_path):
     """The choice runs on the training domains' validation text, the plain request, the
     recommendation's allocation, the candidate's rerank beside the shipped one's and kvzip."""
