@@ -193,6 +193,10 @@ PROTOCOL_GRID = {
     "follow:moon+ca+ca2+ca4+gdsf+lfu+s3+gd,s0.25": _follow(
         *_CA_DECAYS, "lfu", "s3fifo", "gd", size_power=0.25
     ),
+    # addendum 13 (session 41): the same with the gd shadow's PRP a numpy logistic regression
+    "follow:moon+ca+ca2+ca4+gdsf+lfu+s3+gdlog,s0.25": _follow(
+        *_CA_DECAYS, "lfu", "s3fifo", "gdlog", size_power=0.25
+    ),
 }
 # addendum 8's choice (session 33; before it addendum 6's "guard:moon+ca+ca2+ca4+gdsf+lfu+s3,0%,
 # s0.25", and "guard:moon+ca+gdsf,0%", which every fold of the fourth protocol run chose):

@@ -493,6 +493,7 @@ def test_a_guard_that_always_backs_off_is_its_baseline(monkeypatch, baseline):
         ("gdsf", "gdsf", {}),
         ("cost_aware", "cost_aware", {}),
         ("gd", "kvlearn", {"retention": "gd", "write_cost": False}),  # block KVLearn itself
+        ("gdlog", "kvlearn", {"retention": "gd", "write_cost": False, "predictor": "logistic"}),
     ],
 )
 def test_a_guard_with_no_learner_is_its_baseline(monkeypatch, baseline, policy, options):

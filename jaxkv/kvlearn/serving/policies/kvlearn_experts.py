@@ -131,13 +131,17 @@ BASELINES = {
     "slru": SLRU,
     "wtinylfu": WTinyLFU,
     "gd": functools.partial(BlockKVLearn, retention="gd", write_cost=False),
+    "gdlog": functools.partial(
+        BlockKVLearn, retention="gd", write_cost=False, predictor="logistic"
+    ),
 }
 """The block policies a guard can run in a shadow pool (``baselines``): classical ones, and
 ``gd``, block KVLearn itself (GreedyDual retention with its PRP, no write-cost gate), which a
-guard with no learner (``learner=False``) follows only while its own pool has saved most. A
-name may also be ``cost_aware@<s>``: ``cost_aware`` with its decay τ scaled by s
-(``tau_scale``)."""
-SELECTIVE = ("gd",)
+guard with no learner (``learner=False``) follows only while its own pool has saved most;
+``gdlog``, the same with the numpy logistic regression for the PRP (no compilation, no device
+call per training round). A name may also be ``cost_aware@<s>``: ``cost_aware`` with its
+decay τ scaled by s (``tau_scale``)."""
+SELECTIVE = ("gd", "gdlog")
 """Baselines that refuse blocks (GreedyDual's admission: a block enters only over a lower
 victim): while a guard follows one, the real pool admits only what its shadow holds (after the
 shadow's own store of the request), which makes it that prefix-closed shadow exactly (tested).
