@@ -22,6 +22,7 @@ Markdown tables that ``results/profile_decode.md`` quotes):
     .venv/bin/python scripts/profile_decode.py parity --dtype out-first   # max |dlogit|
     .venv/bin/python scripts/profile_decode.py pvlayout --reps 21   # values slots-last?
     .venv/bin/python scripts/profile_decode.py stats --batch 8 [--stat-cache 1040,1105,65]
+    .venv/bin/python scripts/profile_decode.py perlayer --decode 1:4096,8:4096 [--dtype out-first]
 
 ``--dtype int8`` does the same for the int8-weight model (``jaxkv.model.weights_int8``):
 "old" is then the int8 path before "After int8 weights" (``_old_int8_*``: qwix QArrays in
@@ -33,7 +34,9 @@ with the values as the cache stores them (slots before the head dimension) again
 slots-last layout (fused matrix-vector loops, as q.k), in turns. ``stats`` times fused
 decode loops whose caches carry no statistics, the policy's (all six by default) and H2O's,
 with the library's statistics path, the one before session 30 (``s29:``) and the one
-before session 34 (``s33:``), in turns.
+before session 34 (``s33:``), in turns. ``perlayer`` times full-cache decode with every
+layer's weights and cache in buffers of their own (the layer loop unrolled; the step and its
+cache writes as two jitted calls) against the library's stacked ``decode_step``, in turns.
 """
 
 from __future__ import annotations
@@ -729,6 +732,102 @@ def pv_layout(model, rows, reps):
     return out
 
 
+def _layer_list(layers_tree) -> list:
+    """The stacked layer weights as one pytree per layer, each leaf its own buffer."""
+    n = jax.tree.leaves(layers_tree)[0].shape[0]
+    return [jax.tree.map(lambda a, i=i: jnp.array(a[i]), layers_tree) for i in range(n)]
+
+
+def _perlayer_compute(params, layer_params, ks, vs, ps, token_B, length_B, *, config):
+    """A full-cache decode step over per-layer buffers, the layer loop unrolled and nothing
+    written: the logits [B, V] and each layer's new key and value [B, K, 1, H]."""
+    pos_BT = length_B[:, None]
+    x = decoder._embed(params, token_B[:, None], config)
+    new = []
+    for lp, k_l, v_l, p_l in zip(layer_params, ks, vs, ps, strict=True):
+        q, k, v, _ = decoder._projections(lp, x, pos_BT, config)
+        cached = (k_l, v_l, p_l, None, None)
+        attn, _, _ = decoder._cached_attention(q, k, v, pos_BT, cached, config)
+        x = decoder._finish_layer(lp, x, attn, config)
+        new.append((k, v))
+    return decoder._logits(params, x, config)[:, 0], new
+
+
+def _perlayer_write(ks, vs, ps, new, length_B):
+    """Each layer's new key, value and position into its own buffers at slot ``length``
+    (the next free slot of a contiguously filled cache, the same in every row)."""
+    at = length_B[0]
+    put = lambda a, u: jax.lax.dynamic_update_slice(a, u.astype(a.dtype), (0, 0, at, 0))  # noqa: E731
+    ks = tuple(put(a, k) for a, (k, _) in zip(ks, new, strict=True))
+    vs = tuple(put(a, v) for a, (_, v) in zip(vs, new, strict=True))
+    ps = tuple(
+        jax.lax.dynamic_update_slice(p, jnp.full(p.shape[:2] + (1,), at), (0, 0, at)) for p in ps
+    )
+    return ks, vs, ps
+
+
+def per_layer(model, rows, reps):
+    """Full-cache decode with per-layer buffers (weights and cache, the layer loop unrolled)
+    against the library's ``decode_step`` (stacked arrays, a ``lax.scan`` over layers), in
+    turns. The per-layer step is two jitted calls, the step and then the writes (its cache
+    donated): with the writes in the step, XLA:CPU copies the per-layer cache buffers (the
+    count of such copies in that one-call program is reported). Yields (batch, context,
+    library ms, per-layer ms, paired ratio, max |dlogit| of the first step, copies)."""
+    config = model.config
+    params = model.params_of("new") if hasattr(model, "params_of") else model.params
+    layer_params = _layer_list(params["layers"])
+    top = {k: v for k, v in params.items() if k != "layers"}
+    lib_step = jax.jit(functools.partial(decoder.decode_step, config=config), donate_argnums=2)
+    compute = jax.jit(functools.partial(_perlayer_compute, config=config))
+    write = jax.jit(_perlayer_write, donate_argnums=(0, 1, 2))
+
+    def one_call(top, layer_params, ks, vs, ps, token_B, length_B):
+        logits, new = _perlayer_compute(
+            top, layer_params, ks, vs, ps, token_B, length_B, config=config
+        )
+        return logits, _perlayer_write(ks, vs, ps, new, length_B)
+
+    for batch, ctx in rows:
+        cache = filled_cache(config, batch, ctx)
+        split = lambda a: tuple(jnp.array(a[i]) for i in range(a.shape[0]))  # noqa: E731
+        state = {"lib": cache, "per": (split(cache.k), split(cache.v), split(cache.pos))}
+        token = jnp.zeros((batch,), jnp.int32)
+        shape = f"f32[{batch},{config.n_kv_heads},{cache.capacity},{config.head_dim}]"
+        hlo = (
+            jax.jit(one_call, donate_argnums=(2, 3, 4))
+            .lower(top, layer_params, *state["per"], token, cache.length)
+            .compile()
+            .as_text()
+        )
+        copies = sum("copy(" in line and shape in line for line in hlo.splitlines())
+
+        def lib(state=state, token=token):
+            state["lib_logits"], state["lib"] = lib_step(params, token, state["lib"])
+            jax.block_until_ready(state["lib"])
+
+        def per(state=state, token=token):
+            length = state["per_len"]
+            logits, new = compute(top, layer_params, *state["per"], token, length)
+            state["per"] = write(*state["per"], new, length)
+            state["per_logits"], state["per_len"] = logits, length + 1
+            jax.block_until_ready(state["per"])
+
+        state["per_len"] = cache.length
+        per()  # compile both and compare the first step's logits (the same cache, token)
+        lib()
+        diff = float(jnp.max(jnp.abs(state["lib_logits"] - state["per_logits"])))
+        times = in_turns({"lib": lib, "per": per}, reps)
+        yield (
+            batch,
+            ctx,
+            1e3 * _med(times["lib"]),
+            1e3 * _med(times["per"]),
+            _paired(times["lib"], times["per"]),
+            diff,
+            copies,
+        )
+
+
 def _med(x):
     return statistics.median(x)
 
@@ -817,6 +916,7 @@ def main():
             "attnshare",
             "pvlayout",
             "stats",
+            "perlayer",
         ],
     )
     ap.add_argument("--batch", type=int, default=1)
@@ -907,6 +1007,15 @@ def main():
             times = ", ".join(f"{k} {v:.2f} ms" for k, v in ms.items())
             print(
                 f"batch {b}, {slots} {dtype} slots, {len(ms)} forms: {times}; max |diff| {diff:.1e}"
+            )
+        print(open("/proc/loadavg").read().strip())
+    elif args.what == "perlayer":
+        print(open("/proc/loadavg").read().strip())
+        for b, ctx, lib, per, up, diff, copies in per_layer(model, args.decode, args.reps):
+            print(
+                f"batch {b} context {ctx}: library {lib:.1f} ms, per-layer buffers (two calls)"
+                f" {per:.1f} ms, paired {up:.3f}x; max |dlogit| {diff:.1e}; the one-call"
+                f" per-layer step copies the cache {copies} times"
             )
         print(open("/proc/loadavg").read().strip())
     elif args.what == "compare":
