@@ -22,10 +22,12 @@ case "${1:-}" in
   validate)
     text=$work/val_train_domains.txt
     [[ -f $text ]] || "$py" -c "
-import sys
+import sys, pathlib
 from jaxkv.evals.runner import load_eval_model
 from jaxkv.rl.ranker import validation_text
-open(sys.argv[1], 'w').write(validation_text(load_eval_model('smollm2-135m').tokenizer))" "$text"
+path = pathlib.Path(sys.argv[1])
+path.parent.mkdir(parents=True, exist_ok=True)
+path.write_text(validation_text(load_eval_model('smollm2-135m').tokenizer))" "$text"
     evaluate fidelity "$out/validation" --text "$text" --heldout 1 --limit 8 --window 384 \
       --prompt-len 256 --protocol prefill --granularity global --head-floor 0 --head-cap 8 \
       --ratios 0.25,0.125 --kvzip-request plain \

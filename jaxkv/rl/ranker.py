@@ -174,13 +174,9 @@ class RowSet:
 def domain_windows(tokenizer, cfg: RankerConfig, *, split: str) -> dict[str, np.ndarray]:
     """[n, window] token windows per domain, from its train or validation part (seeded)."""
     out = {}
-    chat = tokenizer if hasattr(tokenizer, "apply_chat_template") else None
     for i, domain in enumerate(cfg.domains):
         recalls = domain == RECALL_DOMAIN
-        sources = recall_lib.FILLER_DOMAINS if recalls else (domain,)
-        text = "".join(domain_text(d, tokenizer=chat) for d in sources)
-        ids = np.asarray(token_ids(tokenizer, text), np.int32)
-        cut = int(ids.size * (1 - cfg.val_fraction))
+        ids, cut = _split_ids(tokenizer, recall_lib.FILLER_DOMAINS if recalls else (domain,), cfg)
         part = ids[:cut] if split == "train" else ids[cut:]
         n = cfg.windows_per_domain if split == "train" else max(cfg.windows_per_domain // 8, 2)
         seed = [cfg.seed, i, split == "train"]
@@ -203,13 +199,21 @@ def validation_text(
     tokens after the cut, decoded and concatenated. The validation windows the ranker
     selection rules were written for (results/ranker_global_selection.md)."""
     cfg = cfg or RankerConfig()
-    chat = tokenizer if hasattr(tokenizer, "apply_chat_template") else None
     parts = []
     for domain in cfg.domains:
-        ids = np.asarray(token_ids(tokenizer, domain_text(domain, tokenizer=chat)))
-        start = int(ids.size * (1 - cfg.val_fraction)) + 100
+        ids, cut = _split_ids(tokenizer, (domain,), cfg)
+        start = cut + 100
         parts.append(tokenizer.decode(ids[start : start + windows * window + 40].tolist()))
     return "".join(parts)
+
+
+def _split_ids(tokenizer, sources, cfg: RankerConfig) -> tuple[np.ndarray, int]:
+    """The token ids of the ``sources`` domains' text, and where their validation part
+    starts (the last ``val_fraction`` of them)."""
+    chat = tokenizer if hasattr(tokenizer, "apply_chat_template") else None
+    text = "".join(domain_text(d, tokenizer=chat) for d in sources)
+    ids = np.asarray(token_ids(tokenizer, text), np.int32)
+    return ids, int(ids.size * (1 - cfg.val_fraction))
 
 
 @functools.partial(jax.jit, static_argnames=("config", "capacity", "n"))
