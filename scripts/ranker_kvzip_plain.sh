@@ -11,7 +11,7 @@ source scripts/lib.sh
 out=${OUT:-results/ranker_kvzip_plain}
 work=runs/kvzip_plain
 candidate=$work/ranker
-shipped=rerank@0.5:ranker:ranker_kvzip_smollm2_cpu
+shipped=ranker:ranker_kvzip_smollm2_cpu
 features=log_attn,log_attn_var,log_attn_cum,log_attn_mean,log_recent,entropy,log_vnorm,log_age
 features+=,log_pos,pos_frac,depth,z_attn_cum,z_recent,log_recon,z_recon
 case "${1:-}" in
@@ -31,6 +31,6 @@ path.write_text(validation_text(load_eval_model('smollm2-135m').tokenizer))" "$t
     evaluate fidelity "$out/validation" --text "$text" --heldout 1 --limit 8 --window 384 \
       --prompt-len 256 --protocol prefill --granularity global --head-floor 0 --head-cap 8 \
       --ratios 0.25,0.125 --kvzip-request plain \
-      --policies "rerank@0.5:ranker:$candidate,$shipped,kvzip,ranker:$candidate,ranker:ranker_kvzip_smollm2_cpu" ;;
+      --policies "rerank@0.5:ranker:$candidate,rerank@0.5:$shipped,kvzip,ranker:$candidate,$shipped" ;;
   *) echo "usage: $0 train | validate" >&2; exit 2 ;;
 esac

@@ -256,6 +256,15 @@ def test_pooled_retrieval_refuses_an_unfinished_or_missing_run(tmp_path):
     assert run.returncode != 0 and "did not finish" in run.stderr
 
 
+def _fake_python(tmp_path) -> tuple[Path, Path]:
+    """(log, python): a stand-in for jaxkv's Python that records each call's arguments in
+    the log, one line per call, and runs nothing."""
+    log, fake = tmp_path / "calls.txt", tmp_path / "python"
+    fake.write_text(f'#!/usr/bin/env bash\necho "$*" >> {log}\n')
+    fake.chmod(0o755)
+    return log, fake
+
+
 @pytest.mark.parametrize(
     "command, seed, folder",
     [("retrieval6", 11, "round6"), ("retrieval11", 16, "round11"), ("retrieval12", 17, "round12")],
@@ -263,10 +272,7 @@ def test_pooled_retrieval_refuses_an_unfinished_or_missing_run(tmp_path):
 def test_peak_tova_rounds_read_their_own_data_seed(tmp_path, command, seed, folder):
     """Each retrieval round runs on its own data seed into its own folder (``retrieval12`` once
     ran round 2's seed 9 into round2/, a name matched by its last digit), 16 prompts per cell."""
-    log = tmp_path / "calls.txt"
-    fake = tmp_path / "python"  # stands in for jaxkv's Python: records each call, runs nothing
-    fake.write_text(f'#!/usr/bin/env bash\necho "$*" >> {log}\n')
-    fake.chmod(0o755)
+    log, fake = _fake_python(tmp_path)
     env = {"PATH": "/usr/bin:/bin", "PYTHON": str(fake), "OUT": str(tmp_path / "out")}
     subprocess.run(["bash", SCRIPTS / "distillcache_peak_tova.sh", command], env=env, check=True)
     calls = log.read_text().splitlines()
@@ -283,10 +289,7 @@ def test_peak_tova_rounds_read_their_own_data_seed(tmp_path, command, seed, fold
 def _part_calls(tmp_path, script: str, part: str) -> tuple[list[list[str]], Path, dict]:
     """The ``python -m jaxkv.eval`` calls of ``script part PART`` (a fake Python records
     them; kvpress's step is marked done), its output folder and environment."""
-    log = tmp_path / "calls.txt"
-    fake = tmp_path / "python"  # stands in for jaxkv's Python: records each call, runs nothing
-    fake.write_text(f'#!/usr/bin/env bash\necho "$*" >> {log}\n')
-    fake.chmod(0o755)
+    log, fake = _fake_python(tmp_path)
     out = tmp_path / "out"
     (out / f"part{part}").mkdir(parents=True)
     (out / f"part{part}" / "kvpress.json").write_text("{}")  # kvpress's step: done already
@@ -339,9 +342,7 @@ def test_kvzip_plain_parts_run_both_requests_on_unread_windows(tmp_path, part, f
 def test_ranker_kvzip_plain_validation_reads_only_the_training_domains(tmp_path):
     """The choice runs on the training domains' validation text, the plain request, the
     recommendation's allocation, the candidate's rerank beside the shipped one's and kvzip."""
-    log, fake = tmp_path / "calls.txt", tmp_path / "python"
-    fake.write_text(f'#!/usr/bin/env bash\necho "$*" >> {log}\n')
-    fake.chmod(0o755)
+    log, fake = _fake_python(tmp_path)
     env = {"PATH": "/usr/bin:/bin", "PYTHON": str(fake), "OUT": str(tmp_path / "out")}
     script = SCRIPTS / "ranker_kvzip_plain.sh"
     subprocess.run(["bash", script, "validate"], env=env, check=True, cwd=tmp_path)
