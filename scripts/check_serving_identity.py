@@ -22,14 +22,14 @@ import time
 from pathlib import Path
 
 import numpy as np
-from bench_kvlearn_serving import PROTOCOL_GRID, TRACE, _distinct, _grid_policy
+from bench_kvlearn_serving import CONFIRM_SETTING, PROTOCOL_GRID, TRACE, _distinct, _grid_policy
 
 from jaxkv.kvlearn import traces, workloads
 from jaxkv.kvlearn.cost import CostModel
 from jaxkv.kvlearn.serving import engine, metrics, predictors
 from jaxkv.kvlearn.serving.policies import BLOCK_POLICIES
 
-HEAVY = ("guard:moon+ca+gdsf,0%", "gd", "kvlearn")
+HEAVY = ("guard:moon+ca+gdsf,0%", "gd", "kvlearn", CONFIRM_SETTING)
 
 
 class _ParamHash:

@@ -63,7 +63,9 @@ class HostPRP:
     of labels; the whitening statistics and the forward pass run on the host
     (``prp.host_observe`` / ``prp.host_predict``) from the current parameters, which saves a
     device round trip per request. The host mirrors the state's ``labels_since``, so it knows
-    when a round ran and fetches the new parameters only then.
+    when a round ran; the new parameters are fetched when first read (``params``), so a caller
+    can do other work while the round runs (``ShadowPolicy`` defers the ``gd`` shadow's
+    prediction for that).
     """
 
     def __init__(self, *, seed: int):
@@ -74,7 +76,15 @@ class HostPRP:
         self.trained = False
         self.labels_since = 0  # mirrors state.labels_since
         self.stats = prp_lib.host_stats()
-        self.params = jax.device_get(self.state.params)
+        self._params = jax.device_get(self.state.params)
+        self._round = None  # the parameters of a round not fetched yet (device arrays)
+
+    @property
+    def params(self):
+        """The PRP's parameters on the host, after the last training round (waits for it)."""
+        if self._round is not None:
+            self._params, self._round = jax.device_get(self._round), None
+        return self._params
 
     def predict(self, x_BI):
         """Observes the rows, then P̂ with the new statistics."""
@@ -94,7 +104,7 @@ class HostPRP:
             if self.labels_since >= self.cfg.train_every:  # prp.maybe_train ran a round
                 self.labels_since -= self.cfg.train_every
                 self.trained = True
-                self.params = jax.device_get(self.state.params)
+                self._round = self.state.params
 
 
 class DeferredPRP(HostPRP):

@@ -299,6 +299,12 @@ class BlockKVLearn(BlockPolicy):
         st.n_evict += 1
 
     def on_access(self, blocks, hit, i, now):
+        self.end_access(blocks, hit, i, self.begin_access(blocks, hit, i))
+
+    def begin_access(self, blocks, hit: int, i: int) -> np.ndarray:
+        """``on_access`` up to the PRP's training on the labels request i closes (a round is
+        dispatched, not waited for); returns the request's block features for
+        ``end_access``, which must follow before anything else reads or changes this policy."""
         st = self.state
         self._update_horizon(len(blocks))
         self._expire(i)
@@ -314,6 +320,12 @@ class BlockKVLearn(BlockPolicy):
         if len(y):
             self.pred.learn(np.concatenate(st.new_x), y)
         st.new_x, st.new_y = [], []
+        return x_BI
+
+    def end_access(self, blocks, hit: int, i: int, x_BI: np.ndarray) -> None:
+        """The rest of ``on_access``: P̂ of request i's blocks (after the round
+        ``begin_access`` dispatched) and their reuse counts."""
+        st = self.state
         p = self.pred.predict(x_BI)  # observes x (whitening) even before the first training
         st.p_hat_P[blocks] = p if self.pred.trained else 1.0  # untrained: admit, rank by s_j
         miss = blocks[(np.arange(len(blocks)) >= hit) & (st.count_P[blocks] > 0)]

@@ -703,6 +703,9 @@ class ShadowPolicy:
         self.on_evict = None
         policy.attach(self.cache)
         self._hears_access = type(policy).on_access is not BlockPolicy.on_access
+        # block KVLearn's P̂ waits for its PRP's round: its lookup ends at this shadow's next use
+        self._defers = type(policy).on_access is BlockKVLearn.on_access
+        self._unfinished: tuple | None = None
         self.hits: dict[int, int] = {}
         """Request → its hit here, until the request is stored."""
 
@@ -723,21 +726,43 @@ class ShadowPolicy:
         self._on_evict(b)
 
     def lookup(self, blocks, i: int, now: float) -> int:
-        """Request i's hit prefix here (touched, and remembered for ``store``)."""
+        """Request i's hit prefix here (touched, and remembered for ``store``).
+
+        For block KVLearn the lookup's second half (P̂ after the PRP's training round, then
+        the touches) runs at this shadow's next ``lookup`` or ``store`` (``finish``), so the
+        round computes while the other pools work. Nothing else reads this shadow's state in
+        between (the guard reads its hits, the real pool its residency, which only ``store``
+        changes), so every decision is the same as without the delay."""
+        self.finish()
         c, pol = self.cache, self.pol
         ids = _ids(blocks)
         hit = c.match(ids) if c.capacity else 0
+        self.hits[i] = hit
+        if self._defers:
+            self._unfinished = (blocks, ids, hit, i, now, pol.begin_access(blocks, hit, i))
+            return hit
         if self._hears_access:  # the default does nothing
             pol.on_access(blocks, hit, i, now)
-        touch, prio = c.touch, pol.prio
+        self._touch(ids, hit, i, now)
+        return hit
+
+    def finish(self) -> None:
+        """Ends a delayed lookup (block KVLearn's): P̂ of its blocks, then their touches."""
+        if self._unfinished is not None:
+            blocks, ids, hit, i, now, x_BI = self._unfinished
+            self._unfinished = None
+            self.pol.end_access(blocks, hit, i, x_BI)
+            self._touch(ids, hit, i, now)
+
+    def _touch(self, ids: list[int], hit: int, i: int, now: float) -> None:
+        touch, prio = self.cache.touch, self.pol.prio
         for j in range(hit):
             b = ids[j]
             touch(b, prio(b, i, j, now))
-        self.hits[i] = hit
-        return hit
 
     def store(self, blocks, i: int) -> None:
         """Offers request i's blocks after its hit here, as ``engine.offer`` does."""
+        self.finish()
         c, pol = self.cache, self.pol
         hit = self.hits.pop(i)
         if not c.capacity:
