@@ -22,6 +22,12 @@ random tokens (untimed). Every decode measurement is the median of ``--decode-st
 token steps; the reported number is the median of ``--reps`` such measurements, compile and
 first calls excluded.
 
+``--floor`` adds the memory-bandwidth floor as engines of their own in the decode rows (issue
+17's "within 1.25× of the bandwidth floor"): each step a sum, on ``--threads`` numpy threads,
+over as many bytes as a jaxkv step must read (the float32 weights plus the KV cache at the
+row's context, f32, and with ``--f16-cache`` also f16), so the floor is measured in the same
+turns as the engines and its ratio is not hostage to the bandwidth moving during a run.
+
 llama.cpp runs in ``.venv-llamacpp`` (``scripts/llamacpp_env.sh`` builds it, about 7 minutes),
 driven as a subprocess: this same file with ``--llama-worker``, which imports only the
 standard library and ``llama_cpp``. Writes ``results/bench_peers.{json,md}`` (``--quick``:
@@ -40,6 +46,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -233,6 +240,40 @@ class JaxEngine:
         return times
 
 
+class FloorEngine:
+    """The memory-bandwidth floor of a decode step (``--floor``): one step is a sum over the
+    bytes the step must read, the model's float32 weights plus its KV cache at the row's batch
+    and context with ``kv_bytes`` bytes a number, split between ``threads`` numpy threads
+    (numpy's sum releases the GIL; ``scripts/profile_decode.py bandwidth``'s measure). Decode
+    only."""
+
+    def __init__(self, model, *, kv_bytes: int, threads: int):
+        import jax
+
+        cfg = model.config
+        self.weight_bytes = sum(x.size * 4 for x in jax.tree.leaves(model.params))
+        self.kv_bytes_per_token = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * kv_bytes
+        self.threads = threads
+
+    def fill(self, batch: int, ctx: int, room: int) -> None:
+        import numpy as np
+
+        n = (self.weight_bytes + batch * ctx * self.kv_bytes_per_token) // 4
+        self.cache = np.array_split(np.ones(n, np.float32), self.threads)
+
+    def decode(self, steps: int) -> list[float]:
+        times = []
+        for _ in range(steps):
+            ts = [threading.Thread(target=part.sum) for part in self.cache]
+            t0 = time.perf_counter()
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+            times.append(time.perf_counter() - t0)
+        return times
+
+
 class TorchEngine:
     """transformers' LlamaForCausalLM, eager, float32, from the same GGUF."""
 
@@ -369,6 +410,10 @@ def make_engines(args, client):
             engines["jaxkv int8 + int8 KV"] = JaxEngine(int8, label="int8-kv8", kv_dtype="int8")
     except ValueError as e:
         facts["jaxkv_int8"] = f"not available: {e}"
+    if args.floor:
+        engines["floor f32"] = FloorEngine(model, kv_bytes=4, threads=args.threads)
+        if args.f16_cache:
+            engines["floor f32 + f16 KV"] = FloorEngine(model, kv_bytes=2, threads=args.threads)
     src = embedded_model_path()
     if not args.no_torch:
         import torch
@@ -411,7 +456,11 @@ def run(args, client) -> dict:
     prefill_rows, decode_rows = plan(args.quick, batch8=not args.no_batch8)
     rows = []
     for batch, n in prefill_rows:
-        sub = {k: e for k, e in engines.items() if batch == 1 or not k.startswith("llama")}
+        sub = {
+            k: e
+            for k, e in engines.items()
+            if (batch == 1 or not k.startswith("llama")) and not isinstance(e, FloorEngine)
+        }
         sec = measure_prefill(sub, batch=batch, n=n, reps=args.reps)
         rows.append(
             dict(
@@ -469,6 +518,10 @@ PAIRS = [  # (ours, peer): ours' speed relative to the peer's, >1 = ours faster
     ("jaxkv int8 + f16 KV", "llama.cpp Q8_0"),
     ("jaxkv int8 + int8 KV", "llama.cpp Q8_0"),
     ("jaxkv f32", "llama.cpp Q8_0"),
+    # ``--floor``: ours is the floor, so the "speed-up" is jaxkv's time over the floor's
+    ("floor f32", "jaxkv f32 out-first"),
+    ("floor f32", "jaxkv f32"),
+    ("floor f32 + f16 KV", "jaxkv f32 out-first + f16 KV"),
 ]
 
 
@@ -493,7 +546,9 @@ def markdown(report) -> str:
         f": {m['threads']} threads each on {m['cpu_count']} cores, engines taking turns, medians "
         f"of {m['reps']} turns (decode: each turn the median of {m['decode_steps']} steps). "
         f"Load average at the end: {', '.join(f'{x:.1f}' for x in m['load_avg'])}. "
-        "llama.cpp runs batch 1 only. Speed-up = the peer's time / ours (> 1: ours faster).",
+        "llama.cpp runs batch 1 only. Speed-up = the peer's time / ours (> 1: ours faster); "
+        "a floor column is the memory-bandwidth floor of a step (`--floor`), and its "
+        "'speed-up floor … vs jaxkv …' is jaxkv's time over the floor's.",
         "",
         "| phase | batch | tokens / context | unit | "
         + " | ".join([*cols, *(f"speed-up {p}" for p in pairs)])
@@ -540,6 +595,11 @@ def main():
         "precision)",
     )
     ap.add_argument("--no-batch8", action="store_true", help="skip the batch-8 decode rows")
+    ap.add_argument(
+        "--floor",
+        action="store_true",
+        help="also the memory-bandwidth floor of each decode row, measured in the same turns",
+    )
     ap.add_argument("--llama-types", default=",".join(LLAMA_TYPES))
     ap.add_argument(
         "--llama-kv",
