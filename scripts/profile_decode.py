@@ -733,7 +733,8 @@ def pv_layout(model, rows, reps):
 
 
 def _layer_list(layers_tree) -> list:
-    """The stacked layer weights as one pytree per layer, each leaf its own buffer."""
+    """Stacked per-layer arrays (the layer weights, a cache array) as one pytree per layer,
+    each leaf its own buffer."""
     n = jax.tree.leaves(layers_tree)[0].shape[0]
     return [jax.tree.map(lambda a, i=i: jnp.array(a[i]), layers_tree) for i in range(n)]
 
@@ -789,8 +790,8 @@ def per_layer(model, rows, reps):
 
     for batch, ctx in rows:
         cache = filled_cache(config, batch, ctx)
-        split = lambda a: tuple(jnp.array(a[i]) for i in range(a.shape[0]))  # noqa: E731
-        state = {"lib": cache, "per": (split(cache.k), split(cache.v), split(cache.pos))}
+        per = tuple(tuple(_layer_list(a)) for a in (cache.k, cache.v, cache.pos))
+        state = {"lib": cache, "per": per}
         token = jnp.zeros((batch,), jnp.int32)
         shape = f"f32[{batch},{config.n_kv_heads},{cache.capacity},{config.head_dim}]"
         hlo = (
