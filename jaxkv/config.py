@@ -34,6 +34,11 @@ from typing import Any
 import jax.numpy as jnp
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+ATTENTION_IMPLEMENTATIONS = ("xla", "kernel")
+"""How a decode step attends over the cache: ``xla`` (jax.numpy, every backend) or ``kernel``
+(``jaxkv.model.cache_kernel``, a compiled CPU kernel that reads each cached key and value
+once; steps that need the attention probabilities, for statistics, and caches it does not
+read, int8 ones, keep ``xla``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +47,7 @@ class ModelConfig:
 
     ``sliding_window`` is ``None`` for full attention; otherwise a query at
     position p sees keys at positions ``p - sliding_window < q <= p`` (HF Mistral).
+    ``attention`` is one of ``ATTENTION_IMPLEMENTATIONS``.
     """
 
     name: str
@@ -58,6 +64,7 @@ class ModelConfig:
     tie_embeddings: bool = False
     max_seq_len: int = 32768
     dtype: str = "float32"
+    attention: str = "xla"
 
     def __post_init__(self):
         positive = (
@@ -79,6 +86,11 @@ class ModelConfig:
             )
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ValueError(f"ModelConfig {self.name!r}: sliding_window must be positive or None")
+        if self.attention not in ATTENTION_IMPLEMENTATIONS:
+            raise ValueError(
+                f"ModelConfig {self.name!r}: attention {self.attention!r} not in "
+                f"{ATTENTION_IMPLEMENTATIONS}"
+            )
         if self.dtype not in _DTYPES:
             raise ValueError(
                 f"ModelConfig {self.name!r}: dtype {self.dtype!r} not in {sorted(_DTYPES)}"

@@ -401,11 +401,24 @@ def make_engines(args, client):
             engines["jaxkv f32 out-first + f16 KV"] = JaxEngine(
                 oi, label="f32-out-first-kv16", kv_dtype="float16"
             )
+    if args.kernel and args.out_first:  # config.attention="kernel": jaxkv.model.cache_kernel
+        oik = with_kernel(oi)
+        engines["jaxkv f32 out-first + kernel"] = JaxEngine(oik, label="f32-out-first-kernel")
+        if args.f16_cache:
+            engines["jaxkv f32 out-first + f16 KV + kernel"] = JaxEngine(
+                oik, label="f32-out-first-kv16-kernel", kv_dtype="float16"
+            )
     try:
         int8 = jaxkv.load("smollm2-135m", dtype="int8")
         engines["jaxkv int8"] = JaxEngine(int8, label="int8")
         if args.f16_cache:  # llama.cpp Q8_0's default KV precision
             engines["jaxkv int8 + f16 KV"] = JaxEngine(int8, label="int8-kv16", kv_dtype="float16")
+        if args.kernel:
+            engines["jaxkv int8 + kernel"] = JaxEngine(with_kernel(int8), label="int8-kernel")
+            if args.f16_cache:
+                engines["jaxkv int8 + f16 KV + kernel"] = JaxEngine(
+                    with_kernel(int8), label="int8-kv16-kernel", kv_dtype="float16"
+                )
         if args.int8_cache:
             engines["jaxkv int8 + int8 KV"] = JaxEngine(int8, label="int8-kv8", kv_dtype="int8")
     except ValueError as e:
@@ -449,6 +462,15 @@ def make_engines(args, client):
                 engines[f"llama.cpp {name}"] = LlamaEngine(client, name)
             facts[f"gguf_{t}"] = f"{path.name}, {path.stat().st_size / 2**20:.0f} MiB"
     return engines, facts
+
+
+def with_kernel(model):
+    """The model with ``config.attention="kernel"`` (built here first: a clear error if not)."""
+    from jaxkv.model import cache_kernel
+
+    if not cache_kernel.available():
+        sys.exit(f"--kernel: the CPU kernel is unavailable: {cache_kernel.unavailable_reason()}")
+    return dataclasses.replace(model, config=model.config.replace(attention="kernel"))
 
 
 def run(args, client) -> dict:
@@ -518,10 +540,18 @@ PAIRS = [  # (ours, peer): ours' speed relative to the peer's, >1 = ours faster
     ("jaxkv int8 + f16 KV", "llama.cpp Q8_0"),
     ("jaxkv int8 + int8 KV", "llama.cpp Q8_0"),
     ("jaxkv f32", "llama.cpp Q8_0"),
+    ("jaxkv f32 out-first + kernel", "llama.cpp F32"),
+    ("jaxkv f32 out-first + kernel", "llama.cpp F32 + f32 KV"),
+    ("jaxkv f32 out-first + kernel", "jaxkv f32 out-first"),
+    ("jaxkv f32 out-first + f16 KV + kernel", "llama.cpp F32"),
+    ("jaxkv int8 + kernel", "llama.cpp Q8_0"),
+    ("jaxkv int8 + f16 KV + kernel", "llama.cpp Q8_0"),
     # ``--floor``: ours is the floor, so the "speed-up" is jaxkv's time over the floor's
     ("floor f32", "jaxkv f32 out-first"),
     ("floor f32", "jaxkv f32"),
     ("floor f32 + f16 KV", "jaxkv f32 out-first + f16 KV"),
+    ("floor f32", "jaxkv f32 out-first + kernel"),
+    ("floor f32 + f16 KV", "jaxkv f32 out-first + f16 KV + kernel"),
 ]
 
 
@@ -593,6 +623,13 @@ def main():
         action="store_true",
         help="also jaxkv f32 and int8 weights with a float16 KV cache (llama.cpp's default KV "
         "precision)",
+    )
+    ap.add_argument(
+        "--kernel",
+        action="store_true",
+        help="also jaxkv with config.attention='kernel' (the compiled CPU attention kernel, "
+        "jaxkv.model.cache_kernel): out-first f32 (with --out-first) and int8 weights, each "
+        "with the f32 KV cache and (with --f16-cache) the f16 one",
     )
     ap.add_argument("--no-batch8", action="store_true", help="skip the batch-8 decode rows")
     ap.add_argument(

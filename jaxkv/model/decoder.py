@@ -27,7 +27,7 @@ from jaxkv import kvcache
 from jaxkv import stats as attn_stats
 from jaxkv.config import ModelConfig
 from jaxkv.kvcache import KVCache
-from jaxkv.model import layers
+from jaxkv.model import cache_kernel, layers
 from jaxkv.model import weights_int8 as weights_lib
 
 PREFILL_BLOCK = 256
@@ -224,6 +224,41 @@ def _cached_attention(q, k_new, v_new, pos_BT, cached, config: ModelConfig):
     return out_cache + layers.weighted_values(p_new, v_new), p_cache, p_new
 
 
+def _uses_kernel(cache: KVCache, config: ModelConfig, *, needs_probabilities: bool) -> bool:
+    """Whether ``extend`` attends over the cache with ``cache_kernel`` (``config.attention``
+    is ``"kernel"``, the cache is one the kernel reads, and no statistic needs the attention
+    probabilities); ``"kernel"`` where the kernel cannot be built raises."""
+    if config.attention != "kernel" or needs_probabilities:
+        return False
+    if cache.k_scale is not None or not cache_kernel.supports(cache.k.dtype):
+        return False
+    if not cache_kernel.available():
+        raise RuntimeError(
+            "config.attention='kernel', but the CPU attention kernel is unavailable: "
+            f"{cache_kernel.unavailable_reason()} (use attention='xla')"
+        )
+    return True
+
+
+def _kernel_attention(q, k_new, v_new, pos_BT, layer, cache: KVCache, config: ModelConfig):
+    """``_cached_attention``'s output through ``cache_kernel``: the kernel attends over layer
+    ``layer``'s slots (read in place from the stacked cache) and returns its rows' softmax
+    maximum and sum, with which the new tokens' own keys and values are merged here."""
+    window = config.sliding_window
+    o, m, total_cache = cache_kernel.cache_attention(
+        q, pos_BT, cache.k, cache.v, cache.pos, layer, window=window
+    )
+    q_pos = pos_BT[:, None, None, :, None]
+    sees_new = layers.visible(q_pos, pos_BT[:, None, None, None, :], window)  # [B, 1, 1, T, T]
+    s_new = jnp.where(sees_new, layers.scores(q, k_new), layers.NEG_INF)
+    top = jnp.maximum(m, jnp.max(s_new, axis=-1))
+    w_cache = total_cache * jnp.exp(m - top)
+    e_new = jnp.where(sees_new, jnp.exp(s_new - top[..., None]), 0.0)
+    total = jnp.maximum(w_cache + jnp.sum(e_new, axis=-1), 1e-30)[..., None]
+    out = o * (w_cache[..., None] / total) + layers.weighted_values(e_new / total, v_new)
+    return out.astype(q.dtype)
+
+
 def extend(
     params: dict, tokens_BT: jax.Array, cache: KVCache, *, config: ModelConfig
 ) -> tuple[jax.Array, KVCache]:
@@ -248,12 +283,16 @@ def extend(
     carried = {n: a for n, a in cache.stats.items() if n in attn_stats.ATTENTION_STATS}
     q_weights = attn_stats.query_moment_weights(pos_BT) if cache.query_stats else None
     q_acc = {n: a for n, a in cache.query_stats.items() if n != "weight"}
+    kernel = _uses_kernel(cache, config, needs_probabilities=weights is not None)
 
     def layer(carry, xs):
         x, stats = carry
         i, lp, cached, q_acc_l = xs
         q, k, v, q_pre = _projections(lp, x, pos_BT, config)
-        attn, p_cache, p_new = _cached_attention(q, k, v, pos_BT, cached, config)
+        if kernel:  # reads the stacked cache itself, layer i
+            attn = _kernel_attention(q, k, v, pos_BT, i, cache, config)
+        else:
+            attn, p_cache, p_new = _cached_attention(q, k, v, pos_BT, cached, config)
         x = _finish_layer(lp, x, attn, config)
         moments = None
         if q_weights is not None:
@@ -269,7 +308,7 @@ def extend(
         new.update(_value_stats(lp, v, names))
         return (x, stats), (k, v, new, moments)
 
-    cached = (cache.k, cache.v, cache.pos, cache.k_scale, cache.v_scale)
+    cached = None if kernel else (cache.k, cache.v, cache.pos, cache.k_scale, cache.v_scale)
     xs = (jnp.arange(config.n_layers), params["layers"], cached, q_acc)
     (x, merged), (ks, vs, new_stats, moments) = jax.lax.scan(
         layer, (_embed(params, tokens_BT, config), carried), xs

@@ -28,7 +28,7 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, so safetensors c
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from jaxkv.config import _DTYPES, PRESETS, ModelConfig
+from jaxkv.config import _DTYPES, ATTENTION_IMPLEMENTATIONS, PRESETS, ModelConfig
 from jaxkv.model import weights_int8 as weights_lib
 from jaxkv.model.params import _unflatten, validate_params
 from jaxkv.model.tokenizer import ChatTokenizer, UnsupportedTokenizer
@@ -546,7 +546,11 @@ def cache_dir() -> Path:
 
 
 def load_model(
-    name_or_path: str | Path, *, dtype: str = "float32", out_first: bool = False
+    name_or_path: str | Path,
+    *,
+    dtype: str = "float32",
+    out_first: bool = False,
+    attention: str = "xla",
 ) -> LoadedModel:
     """Loads config, params and tokenizer in one call.
 
@@ -563,11 +567,19 @@ def load_model(
             decode step at batch 1 on CPU reads in place, about 1.6x faster on the 2-core
             CPU, while batch-8 decode is about 0.8x (results/profile_decode.md, "After
             out-first float weights"). Int8 weights are stored that way already.
+        attention: ``config.attention``, how decode steps attend over the cache
+            (``jaxkv.config.ATTENTION_IMPLEMENTATIONS``; ``"kernel"``: the compiled CPU
+            kernel of ``jaxkv.model.cache_kernel``).
 
     The embedded model's dequantized params, config and tokenizer are cached under
     ``cache_dir()`` (keyed by the GGUF file's size and mtime): the first load dequantizes,
     later loads read the cache.
     """
+    if attention not in ATTENTION_IMPLEMENTATIONS:  # before any loading
+        raise ValueError(f"attention must be one of {ATTENTION_IMPLEMENTATIONS}, got {attention!r}")
+    if attention != "xla":
+        model = load_model(name_or_path, dtype=dtype, out_first=out_first)
+        return dataclasses.replace(model, config=model.config.replace(attention=attention))
     if dtype == INT8:
         model = load_model(name_or_path, dtype="float32")
         return dataclasses.replace(model, params=weights_lib.quantize_params(model.params))

@@ -1,0 +1,174 @@
+"""A compiled CPU kernel for decode-time attention over one layer of the stacked KV cache.
+
+XLA:CPU reads the cache at about half the machine's memory bandwidth in a decode step: the
+score dots of the G query heads of a KV head each read that head's keys (G passes), and the
+value dot copies each layer's values out of the stacked cache before reading them
+(results/profile_decode.md). ``csrc/cache_attention.cc`` (an XLA FFI target) reads every
+cached key and value once, for all the query rows of its KV head, straight out of the stacked
+``[L, B, K, C, H]`` arrays, with the layer index as an operand (so nothing is sliced or
+copied), on XLA's intra-op threads.
+
+The kernel is built on first use with the machine's C++ compiler (``$CXX``, else ``c++``), for
+the machine's own CPU, into ``$JAXKV_KERNEL_DIR`` (default ``~/.cache/jaxkv/kernels``), keyed
+by the source, jaxlib's version and the CPU's flags; a build is written to a temporary file
+and renamed, so an interrupted build leaves nothing half-written. Without a compiler, or off
+CPU, ``available()`` is False (``unavailable_reason()`` says why) and the decoder keeps its
+XLA attention: the kernel is a speed-up, never a requirement.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import jaxlib
+import numpy as np
+
+SOURCE = Path(__file__).parent / "csrc" / "cache_attention.cc"
+_TARGETS = {
+    jnp.dtype(jnp.float32): "jaxkv_cache_attention_f32",
+    jnp.dtype(jnp.float16): "jaxkv_cache_attention_f16",
+}
+_SYMBOLS = {
+    "jaxkv_cache_attention_f32": "JaxkvCacheAttentionF32",
+    "jaxkv_cache_attention_f16": "JaxkvCacheAttentionF16",
+}
+DTYPES = tuple(_TARGETS)
+"""Cache storage dtypes the kernel reads (others keep the XLA attention)."""
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build_key(source: bytes) -> str:
+    h = hashlib.sha256(source)
+    h.update(jaxlib.__version__.encode())
+    h.update(_cpu_flags().encode())
+    return h.hexdigest()[:16]
+
+
+def _kernel_dir() -> Path:
+    return Path(os.environ.get("JAXKV_KERNEL_DIR", Path.home() / ".cache" / "jaxkv" / "kernels"))
+
+
+def _compile(source: Path, out: Path) -> None:
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        raise RuntimeError("no C++ compiler ($CXX, c++ or g++) on PATH")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    cmd = [
+        cxx,
+        "-O3",
+        "-march=native",
+        "-fopenmp-simd",
+        "-std=c++17",
+        "-shared",
+        "-fPIC",
+        "-w",
+        "-I",
+        jax.ffi.include_dir(),
+        str(source),
+        "-o",
+        tmp,
+    ]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+@functools.cache
+def _load() -> tuple[bool, str]:
+    """Builds (once per machine) and registers the kernel: (available, why not)."""
+    if jax.default_backend() != "cpu":
+        return False, f"the kernel is for the CPU backend, not {jax.default_backend()}"
+    source = SOURCE.read_bytes()
+    lib_path = _kernel_dir() / f"cache_attention_{_build_key(source)}.so"
+    try:
+        if not lib_path.exists():
+            _compile(SOURCE, lib_path)
+        lib = ctypes.cdll.LoadLibrary(str(lib_path))
+        for target, symbol in _SYMBOLS.items():
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), "cpu")
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        return False, str(e)
+    return True, ""
+
+
+def available() -> bool:
+    """Whether the compiled kernel can run here (builds it on first call)."""
+    return _load()[0]
+
+
+def unavailable_reason() -> str:
+    return _load()[1]
+
+
+def supports(dtype) -> bool:
+    return jnp.dtype(dtype) in _TARGETS
+
+
+def cache_attention(q_BKGTH, pos_BT, keys_LBKCH, values_LBKCH, kpos_LBKC, layer, *, window):
+    """Attention of the queries over layer ``layer``'s cache slots, the keys and values read
+    in place out of the stacked arrays.
+
+    Args:
+        q_BKGTH: rotated queries (float32).
+        pos_BT: the queries' positions (-1: padding).
+        keys_LBKCH, values_LBKCH: the whole stacked cache (float32 or float16).
+        kpos_LBKC: the slots' positions (-1: empty).
+        layer: the layer index (a traced int32 scalar inside the layer scan).
+        window: the sliding window (None: none).
+
+    Returns:
+        The output over the cache normalized by its own softmax [B, K, G, T, H], each row's
+        maximum score m and sum of exp(s - m) l [B, K, G, T] (m = -1e30, l = 0 for a row that
+        sees no slot), so the caller can merge in other keys.
+    """
+    ok, why = _load()
+    if not ok:
+        raise RuntimeError(f"the cache attention kernel is unavailable: {why}")
+    B, K, G, T, H = q_BKGTH.shape
+    R = G * T
+    q = q_BKGTH.astype(jnp.float32).reshape(B, K, R, H)
+    out_types = (
+        jax.ShapeDtypeStruct((B, K, R, H), jnp.float32),
+        jax.ShapeDtypeStruct((B, K, R), jnp.float32),
+        jax.ShapeDtypeStruct((B, K, R), jnp.float32),
+    )
+    call = jax.ffi.ffi_call(
+        _TARGETS[jnp.dtype(keys_LBKCH.dtype)], out_types, vmap_method="sequential"
+    )
+    o, top, total = call(
+        q,
+        pos_BT.astype(jnp.int32),
+        keys_LBKCH,
+        values_LBKCH,
+        kpos_LBKC.astype(jnp.int32),
+        jnp.asarray(layer, jnp.int32).reshape(1),
+        window=np.int64(window or 0),
+        scale=np.float32(H**-0.5),
+    )
+    return o.reshape(B, K, G, T, H), top.reshape(B, K, G, T), total.reshape(B, K, G, T)

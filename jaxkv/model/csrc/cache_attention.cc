@@ -1,0 +1,401 @@
+// Decode-time attention over one layer of a stacked KV cache, in one pass over the keys
+// and values (an XLA FFI target for the CPU; jaxkv/model/cache_kernel.py builds, loads and
+// calls it).
+//
+// For every sequence b and KV head k, the R = G * T query rows of that head read each cached
+// key once (all R dot products per key), take a softmax over the slots they may see (causal,
+// non-empty, inside the sliding window; positions decide, never slot indices) and weight the
+// values, which are read once too. The slots are cut into chunks; each chunk gives its rows'
+// maximum score m, their sum of exp(s - m) l and their unnormalized output, and the chunks
+// of a (b, k) pair are merged at the end (split-K "flash decoding"). Chunks run on XLA's
+// intra-op thread pool.
+//
+// Returned per row: the normalized output over the cache o [B, K, R, H], m and l [B, K, R],
+// from which the caller merges in the new tokens' own keys and values. A row that sees no
+// slot gets m = -1e30, l = 0 and o = 0.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr float kNegInf = -1e30f;
+constexpr int64_t kChunk = 512;  // slots per work item (128 KB of float32 keys at H = 64)
+
+// exp(x) for x <= 0 (scores minus their maximum), vectorizable: 2^n * p(r) with
+// x = n ln 2 + r, |r| <= ln2 / 2, p a degree-6 Taylor polynomial (relative error < 2e-7);
+// arguments below -87 give 0.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = x - n * 0.693145751953125f - n * 1.42860682030941723e-06f;
+  float p = 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+template <typename T>
+inline float widen(T x) {
+  return static_cast<float>(x);
+}
+
+template <>
+inline float widen<uint16_t>(uint16_t x) {
+  _Float16 h;
+  std::memcpy(&h, &x, sizeof(h));
+  return static_cast<float>(h);
+}
+
+struct Shape {
+  int64_t B, K, R, H, C, T, layer;
+  int64_t window;  // 0: none
+  float scale;
+};
+
+// A cached row as float32: the stored row itself, or widened into ``buf``.
+inline const float* as_float(const float* row, int64_t, float*) { return row; }
+
+inline const float* as_float(const uint16_t* row, int64_t H, float* __restrict buf) {
+  for (int64_t h = 0; h < H; ++h) buf[h] = widen(row[h]);
+  return buf;
+}
+
+// One chunk [c0, c1) of (b, k): scores of the R rows, their maximum, exp sums and
+// unnormalized outputs into m[R], l[R], acc[R * H].
+template <typename KV>
+void chunk_attention(const Shape& s, const float* __restrict q, const int32_t* __restrict qpos,
+                     const KV* __restrict keys, const KV* __restrict values,
+                     const int32_t* __restrict kpos, int64_t c0, int64_t c1, float* __restrict m,
+                     float* __restrict l, float* __restrict acc) {
+  const int64_t R = s.R, H = s.H, n = c1 - c0;
+  std::vector<float> score_buf(R * n), row_buf(H);
+  float* __restrict scores = score_buf.data();
+  float* __restrict buf = row_buf.data();
+  for (int64_t c = 0; c < n; ++c) {
+    const float* __restrict kc = as_float(keys + (c0 + c) * H, H, buf);
+    const int32_t p = kpos[c0 + c];
+    for (int64_t r = 0; r < R; ++r) {
+      const int32_t qp = qpos[r];
+      const bool ok = p >= 0 && qp >= 0 && p <= qp && (s.window == 0 || p > qp - s.window);
+      const float* __restrict qr = q + r * H;
+      float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t h = 0; h < H; ++h) dot += qr[h] * kc[h];
+      scores[r * n + c] = ok ? dot * s.scale : kNegInf;
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    float* __restrict sr = scores + r * n;
+    float top = kNegInf;
+#pragma omp simd reduction(max : top)
+    for (int64_t c = 0; c < n; ++c) top = std::max(top, sr[c]);
+    float sum = 0.0f;
+    if (top > kNegInf) {
+#pragma omp simd reduction(+ : sum)
+      for (int64_t c = 0; c < n; ++c) {
+        const float e = sr[c] > kNegInf ? exp_nonpositive(sr[c] - top) : 0.0f;
+        sr[c] = e;
+        sum += e;
+      }
+    } else {
+      std::fill(sr, sr + n, 0.0f);
+    }
+    m[r] = top;
+    l[r] = sum;
+  }
+  std::fill(acc, acc + R * H, 0.0f);
+  for (int64_t c = 0; c < n; ++c) {
+    const float* __restrict vc = as_float(values + (c0 + c) * H, H, buf);
+    for (int64_t r = 0; r < R; ++r) {
+      const float p = scores[r * n + c];
+      float* __restrict ar = acc + r * H;
+#pragma omp simd
+      for (int64_t h = 0; h < H; ++h) ar[h] += p * vc[h];
+    }
+  }
+}
+
+// The same with the row count and head size known at compile time, on 16-lane vectors (GCC
+// vector extensions; split into narrower registers where the CPU has none this wide): the
+// R rows' accumulators stay in registers, and the dot products of 4 slots are reduced
+// together (a transposing sum) instead of one horizontal sum each.
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t i16 __attribute__((vector_size(64)));
+
+inline v16 load16(const float* p) {
+  v16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline v16 load16(const uint16_t* p) {  // float16 storage, widened by the CPU's F16C
+  v16 v;
+#if defined(__AVX512F__)
+  const __m512 w = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  std::memcpy(&v, &w, sizeof(v));
+#elif defined(__F16C__)
+  const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+  std::memcpy(&v, &lo, sizeof(lo));
+  std::memcpy(reinterpret_cast<char*>(&v) + sizeof(lo), &hi, sizeof(hi));
+#else
+  for (int u = 0; u < 16; ++u) v[u] = widen(p[u]);
+#endif
+  return v;
+}
+
+// The four sums of a, b, c, d (lanes 0-3 of the result hold them; the rest is junk).
+inline v16 sum4(v16 a, v16 b, v16 c, v16 d) {
+  v16 ab = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
+                                   30, 31);
+  v16 cd = __builtin_shufflevector(c, d, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(c, d, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
+                                   30, 31);
+  // lanes: a 0-7, b 8-15 | c 0-7, d 8-15 -> a 0-3, b 4-7, c 8-11, d 12-15
+  v16 x = __builtin_shufflevector(ab, cd, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26,
+                                  27) +
+          __builtin_shufflevector(ab, cd, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30,
+                                  31);
+  v16 y = __builtin_shufflevector(x, x, 0, 1, 4, 5, 8, 9, 12, 13, 0, 1, 4, 5, 8, 9, 12, 13) +
+          __builtin_shufflevector(x, x, 2, 3, 6, 7, 10, 11, 14, 15, 2, 3, 6, 7, 10, 11, 14, 15);
+  return __builtin_shufflevector(y, y, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6) +
+         __builtin_shufflevector(y, y, 1, 3, 5, 7, 1, 3, 5, 7, 1, 3, 5, 7, 1, 3, 5, 7);
+}
+
+template <typename KV, int kR, int kH>
+void chunk_fixed(const Shape& s, const float* __restrict q, const int32_t* __restrict qpos,
+                 const KV* __restrict keys, const KV* __restrict values,
+                 const int32_t* __restrict kpos, int64_t c0, int64_t c1, float* __restrict m,
+                 float* __restrict l, float* __restrict acc) {
+  constexpr int kV = kH / 16;
+  const int64_t n = c1 - c0;
+  std::vector<float> score_buf(kR * n);
+  float* __restrict scores = score_buf.data();
+  v16 qv[kR][kV];
+  for (int r = 0; r < kR; ++r)
+    for (int j = 0; j < kV; ++j) qv[r][j] = load16(q + r * kH + 16 * j);
+  int64_t c = 0;
+  for (; c + 4 <= n; c += 4) {
+    const KV* k0 = keys + (c0 + c) * kH;
+    const KV* k1 = k0 + kH;
+    const KV* k2 = k1 + kH;
+    const KV* k3 = k2 + kH;
+    for (int r = 0; r < kR; ++r) {
+      v16 a = qv[r][0] * load16(k0), b = qv[r][0] * load16(k1);
+      v16 cc = qv[r][0] * load16(k2), d = qv[r][0] * load16(k3);
+      for (int j = 1; j < kV; ++j) {
+        a += qv[r][j] * load16(k0 + 16 * j);
+        b += qv[r][j] * load16(k1 + 16 * j);
+        cc += qv[r][j] * load16(k2 + 16 * j);
+        d += qv[r][j] * load16(k3 + 16 * j);
+      }
+      v16 t = sum4(a, b, cc, d);
+      for (int u = 0; u < 4; ++u) scores[r * n + c + u] = t[u];
+    }
+  }
+  for (; c < n; ++c) {
+    const KV* kc = keys + (c0 + c) * kH;
+    for (int r = 0; r < kR; ++r) {
+      v16 a = qv[r][0] * load16(kc);
+      for (int j = 1; j < kV; ++j) a += qv[r][j] * load16(kc + 16 * j);
+      float dot = 0.0f;
+      for (int u = 0; u < 16; ++u) dot += a[u];
+      scores[r * n + c] = dot;
+    }
+  }
+  for (int r = 0; r < kR; ++r) {
+    float* __restrict sr = scores + r * n;
+    const int32_t qp = qpos[r];
+    float top = kNegInf;
+#pragma omp simd reduction(max : top)
+    for (int64_t c = 0; c < n; ++c) {
+      const int32_t p = kpos[c0 + c];
+      const bool ok = p >= 0 && qp >= 0 && p <= qp && (s.window == 0 || p > qp - s.window);
+      sr[c] = ok ? sr[c] * s.scale : kNegInf;
+      top = std::max(top, sr[c]);
+    }
+    float sum = 0.0f;
+    if (top > kNegInf) {
+#pragma omp simd reduction(+ : sum)
+      for (int64_t c = 0; c < n; ++c) {
+        const float e = sr[c] > kNegInf ? exp_nonpositive(sr[c] - top) : 0.0f;
+        sr[c] = e;
+        sum += e;
+      }
+    } else {
+      std::fill(sr, sr + n, 0.0f);
+    }
+    m[r] = top;
+    l[r] = sum;
+  }
+  v16 av[kR][kV] = {};
+  for (int64_t c = 0; c < n; ++c) {
+    const KV* vc = values + (c0 + c) * kH;
+    v16 vv[kV];
+    for (int j = 0; j < kV; ++j) vv[j] = load16(vc + 16 * j);
+    for (int r = 0; r < kR; ++r) {
+      const float p = scores[r * n + c];
+      for (int j = 0; j < kV; ++j) av[r][j] += p * vv[j];
+    }
+  }
+  for (int r = 0; r < kR; ++r)
+    for (int j = 0; j < kV; ++j) std::memcpy(acc + r * kH + 16 * j, &av[r][j], sizeof(v16));
+}
+
+template <typename KV>
+using ChunkFn = void (*)(const Shape&, const float*, const int32_t*, const KV*, const KV*,
+                         const int32_t*, int64_t, int64_t, float*, float*, float*);
+
+template <typename KV, int kH>
+ChunkFn<KV> pick_rows(int64_t R) {
+  switch (R) {
+    case 1: return chunk_fixed<KV, 1, kH>;
+    case 2: return chunk_fixed<KV, 2, kH>;
+    case 3: return chunk_fixed<KV, 3, kH>;
+    case 4: return chunk_fixed<KV, 4, kH>;
+    default: return chunk_attention<KV>;
+  }
+}
+
+// The fixed-size kernel for the common shapes (H = 64 or 128, at most 4 rows), else the
+// general one.
+template <typename KV>
+ChunkFn<KV> pick(const Shape& s) {
+  if (s.H == 64) return pick_rows<KV, 64>(s.R);
+  if (s.H == 128) return pick_rows<KV, 128>(s.R);
+  return chunk_attention<KV>;
+}
+
+template <ffi::DataType KVType>
+ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                              ffi::Buffer<ffi::S32> qpos, ffi::Buffer<KVType> keys,
+                              ffi::Buffer<KVType> values, ffi::Buffer<ffi::S32> kpos,
+                              ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out,
+                              ffi::ResultBuffer<ffi::F32> out_m, ffi::ResultBuffer<ffi::F32> out_l,
+                              int64_t window, float scale) {
+  using KV = ffi::NativeType<KVType>;
+  auto qd = q.dimensions();     // [B, K, R, H]
+  auto pd = qpos.dimensions();  // [B, T]
+  auto kd = keys.dimensions();  // [L, B, K, C, H]
+  if (qd.size() != 4 || pd.size() != 2 || kd.size() != 5) {
+    return ffi::Error::InvalidArgument("cache_attention: q [B,K,R,H], qpos [B,T], keys [L,B,K,C,H]");
+  }
+  Shape s{qd[0], qd[1], qd[2], qd[3], kd[3], pd[1], 0, window, scale};
+  if (kd[1] != s.B || kd[2] != s.K || kd[4] != s.H || s.R % s.T != 0) {
+    return ffi::Error::InvalidArgument("cache_attention: mismatched shapes");
+  }
+  s.layer = layer.typed_data()[0];
+  if (s.layer < 0 || s.layer >= kd[0]) {
+    return ffi::Error::InvalidArgument("cache_attention: layer out of range");
+  }
+  const int64_t n_chunks = (s.C + kChunk - 1) / kChunk;
+  const int64_t n_items = s.B * s.K * n_chunks;
+  // per item: R maxima, R sums, R * H outputs
+  const int64_t per_item = s.R * (2 + s.H);
+  struct Work {
+    std::vector<float> partial;
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> done{0};
+  };
+  auto work = std::make_shared<Work>();
+  work->partial.resize(n_items * per_item);
+  const float* qd_ = q.typed_data();
+  const int32_t* pos = qpos.typed_data();
+  const KV* kbase = keys.typed_data() + s.layer * s.B * s.K * s.C * s.H;
+  const KV* vbase = values.typed_data() + s.layer * s.B * s.K * s.C * s.H;
+  const int32_t* kpbase = kpos.typed_data() + s.layer * s.B * s.K * s.C;
+
+  const ChunkFn<KV> chunk_fn = pick<KV>(s);
+  auto run = [s, work, n_items, n_chunks, per_item, qd_, pos, kbase, vbase, kpbase, chunk_fn]() {
+    std::vector<int32_t> rowpos(s.R);
+    for (;;) {
+      const int64_t i = work->next.fetch_add(1);
+      if (i >= n_items) return;
+      const int64_t bk = i / n_chunks, chunk = i % n_chunks, b = bk / s.K;
+      for (int64_t r = 0; r < s.R; ++r) rowpos[r] = pos[b * s.T + r % s.T];
+      const int64_t c0 = chunk * kChunk, c1 = std::min(s.C, c0 + kChunk);
+      float* part = work->partial.data() + i * per_item;
+      chunk_fn(s, qd_ + bk * s.R * s.H, rowpos.data(), kbase + bk * s.C * s.H,
+                          vbase + bk * s.C * s.H, kpbase + bk * s.C, c0, c1, part, part + s.R,
+                          part + 2 * s.R);
+      work->done.fetch_add(1);
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n_items) - 1;
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule(decltype(run)(run));
+  run();
+  while (work->done.load() < n_items) std::this_thread::yield();
+
+  float* o = out->typed_data();
+  float* om = out_m->typed_data();
+  float* ol = out_l->typed_data();
+  for (int64_t bk = 0; bk < s.B * s.K; ++bk) {
+    for (int64_t r = 0; r < s.R; ++r) {
+      float top = kNegInf;
+      for (int64_t c = 0; c < n_chunks; ++c) {
+        top = std::max(top, work->partial[(bk * n_chunks + c) * per_item + r]);
+      }
+      float sum = 0.0f;
+      float* orow = o + (bk * s.R + r) * s.H;
+      std::fill(orow, orow + s.H, 0.0f);
+      for (int64_t c = 0; c < n_chunks; ++c) {
+        const float* part = work->partial.data() + (bk * n_chunks + c) * per_item;
+        if (part[s.R + r] == 0.0f) continue;
+        const float w = exp_nonpositive(part[r] - top);
+        sum += w * part[s.R + r];
+        const float* acc = part + 2 * s.R + r * s.H;
+        for (int64_t h = 0; h < s.H; ++h) orow[h] += w * acc[h];
+      }
+      const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+      for (int64_t h = 0; h < s.H; ++h) orow[h] *= inv;
+      om[bk * s.R + r] = top;
+      ol[bk * s.R + r] = sum;
+    }
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+// The same signature for each storage type of the cache.
+#define JAXKV_CACHE_ATTENTION(name, kv_type)                  \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, CacheAttentionImpl<kv_type>, \
+                                ffi::Ffi::Bind()                \
+                                    .Ctx<ffi::ThreadPool>()     \
+                                    .Arg<ffi::Buffer<ffi::F32>>() \
+                                    .Arg<ffi::Buffer<ffi::S32>>() \
+                                    .Arg<ffi::Buffer<kv_type>>()  \
+                                    .Arg<ffi::Buffer<kv_type>>()  \
+                                    .Arg<ffi::Buffer<ffi::S32>>() \
+                                    .Arg<ffi::Buffer<ffi::S32>>() \
+                                    .Ret<ffi::Buffer<ffi::F32>>() \
+                                    .Ret<ffi::Buffer<ffi::F32>>() \
+                                    .Ret<ffi::Buffer<ffi::F32>>() \
+                                    .Attr<int64_t>("window")    \
+                                    .Attr<float>("scale"))
+
+JAXKV_CACHE_ATTENTION(JaxkvCacheAttentionF32, ffi::F32);
+JAXKV_CACHE_ATTENTION(JaxkvCacheAttentionF16, ffi::F16);
