@@ -23,6 +23,7 @@ Markdown tables that ``results/profile_decode.md`` quotes):
     .venv/bin/python scripts/profile_decode.py pvlayout --reps 21   # values slots-last?
     .venv/bin/python scripts/profile_decode.py stats --batch 8 [--stat-cache 1040,1105,65]
     .venv/bin/python scripts/profile_decode.py perlayer --decode 1:4096,8:4096 [--dtype out-first]
+    .venv/bin/python scripts/profile_decode.py kernel --decode 1:4096,8:4096 [--kv-dtype float16]
 
 ``--dtype int8`` does the same for the int8-weight model (``jaxkv.model.weights_int8``):
 "old" is then the int8 path before "After int8 weights" (``_old_int8_*``: qwix QArrays in
@@ -37,6 +38,9 @@ with the library's statistics path, the one before session 30 (``s29:``) and the
 before session 34 (``s33:``), in turns. ``perlayer`` times full-cache decode with every
 layer's weights and cache in buffers of their own (the layer loop unrolled; the step and its
 cache writes as two jitted calls) against the library's stacked ``decode_step``, in turns.
+``kernel`` times ``config.attention="kernel"`` (``jaxkv.model.cache_kernel``) against the XLA
+attention, in turns: attention alone over every layer of a random filled cache, then whole
+decode steps.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import copy
 import functools
 import math
 import re
@@ -64,7 +69,7 @@ import jaxkv
 from jaxkv import kvcache
 from jaxkv import stats as attn_stats
 from jaxkv.evals import latency
-from jaxkv.model import decoder, layers, weights_int8
+from jaxkv.model import cache_kernel, decoder, layers, weights_int8
 from jaxkv.model.params import PARAM_AXES
 
 # --- the implementation before issue 17 (decode attention and statistics) -------------------
@@ -594,6 +599,86 @@ def kv_compare(model, kv_dtype, rows, reps):
     return out
 
 
+def _with_attention(model, attention: str):
+    """``model`` (a loaded model or one of this script's wrappers) with ``config.attention``."""
+    m = copy.copy(model)
+    object.__setattr__(m, "config", model.config.replace(attention=attention))
+    return m
+
+
+def kernel_compare(model, kv_dtype, rows, reps):
+    """Decode ms/token with ``config.attention`` "xla" and "kernel" (``cache_kernel``), in
+    turns: rows (batch, context, xla median, kernel median, paired speed-up)."""
+    out = []
+    for batch, ctx in rows:
+        fns = {
+            a: Decoder(_with_attention(model, a), "new", batch, ctx, kv_dtype=kv_dtype)
+            for a in ("xla", "kernel")
+        }
+        for f in fns.values():
+            f()  # compiled before the turns
+        t = in_turns(fns, reps)
+        out.append((batch, ctx, 1e3 * _med(t["xla"]), 1e3 * _med(t["kernel"])))
+        out[-1] += (_paired(t["xla"], t["kernel"]),)
+        print(out[-1], flush=True)
+    return out
+
+
+def kernel_piece(config, rows, reps, kv_dtype=None):
+    """Attention alone over every layer of a filled stacked cache (a ``lax.scan`` over the
+    layers, one decode query per sequence), the library's XLA attention against
+    ``cache_kernel``, in turns: rows (batch, slots, xla ms, kernel ms, cache MB, kernel GB/s)."""
+    out = []
+    for batch, ctx in rows:
+        t = in_turns(_attention_pieces(config, batch, ctx, jnp.dtype(kv_dtype or "float32")), reps)
+        ms = {k: 1e3 * _med(v) for k, v in t.items()}
+        mb = 2 * config.n_layers * batch * config.n_kv_heads * (ctx + 64) * config.head_dim
+        mb *= jnp.dtype(kv_dtype or "float32").itemsize / 1e6
+        out.append((batch, ctx, ms["xla"], ms["kernel"], mb, mb / ms["kernel"]))
+        print(out[-1], flush=True)
+    return out
+
+
+def _attention_pieces(config, batch, ctx, dtype) -> dict:
+    """``kernel_piece``'s two programs on one random cache, compiled: {name: call}."""
+    L, K, G, H = config.n_layers, config.n_kv_heads, config.q_per_kv, config.head_dim
+    rng = np.random.default_rng(0)
+    C = ctx + 64
+    q = jnp.asarray(rng.normal(size=(batch, K, G, 1, H)), jnp.float32)
+    keys, values = (jnp.asarray(rng.normal(size=(L, batch, K, C, H)), dtype) for _ in range(2))
+    kpos = jnp.where(jnp.arange(C) < ctx, jnp.arange(C), -1).astype(jnp.int32)
+    kpos = jnp.broadcast_to(kpos, (L, batch, K, C))
+    pos = jnp.full((batch, 1), ctx, jnp.int32)
+    new = q[:, :, 0]  # the new token's key and value [B, K, 1, H]
+
+    def xla(q, keys, values, kpos):
+        def body(acc, xs):
+            o, _, _ = decoder._cached_attention(q, new, new, pos, (*xs, None, None), config)
+            return acc + o.sum(), None
+
+        return jax.lax.scan(body, 0.0, (keys, values, kpos))[0]
+
+    def kernel(q, keys, values, kpos):
+        def body(acc, i):
+            o, _, _ = cache_kernel.cache_attention(
+                q, pos, keys, values, kpos, i, window=config.sliding_window
+            )
+            return acc + o.sum(), None
+
+        return jax.lax.scan(body, 0.0, jnp.arange(L))[0]
+
+    calls = {}
+    for name, fn in (("xla", xla), ("kernel", kernel)):
+        jitted = jax.jit(fn)
+        calls[name] = functools.partial(_block, jitted, q, keys, values, kpos)
+        calls[name]()  # compiled before the turns
+    return calls
+
+
+def _block(fn, *args):
+    return fn(*args).block_until_ready()
+
+
 def _no_cache_attention(q, k_new, v_new, pos_BT, cached, config):
     """A stand-in for ``decoder._cached_attention`` that reads no cache slot (each query sees
     its own token only): what a decode step costs without attention over the cache."""
@@ -918,6 +1003,7 @@ def main():
             "pvlayout",
             "stats",
             "perlayer",
+            "kernel",
         ],
     )
     ap.add_argument("--batch", type=int, default=1)
@@ -1017,6 +1103,21 @@ def main():
                 f"batch {b} context {ctx}: library {lib:.1f} ms, per-layer buffers (two calls)"
                 f" {per:.1f} ms, paired {up:.3f}x; max |dlogit| {diff:.1e}; the one-call"
                 f" per-layer step copies the cache {copies} times"
+            )
+        print(open("/proc/loadavg").read().strip())
+    elif args.what == "kernel":
+        print(open("/proc/loadavg").read().strip())
+        for b, ctx, x, k, mb, gbs in kernel_piece(
+            model.config, args.decode, args.reps, args.kv_dtype
+        ):
+            print(
+                f"attention alone, batch {b} context {ctx} ({mb:.0f} MB of KV): xla {x:.2f} ms,"
+                f" kernel {k:.2f} ms ({gbs:.1f} GB/s)"
+            )
+        for b, ctx, x, k, up in kernel_compare(model, args.kv_dtype, args.decode, args.reps):
+            print(
+                f"decode step, batch {b} context {ctx}: xla {x:.1f} ms, kernel {k:.1f} ms,"
+                f" paired {up:.3f}x"
             )
         print(open("/proc/loadavg").read().strip())
     elif args.what == "compare":

@@ -17,7 +17,7 @@ import jaxkv
 from jaxkv.cli import eval as eval_lib
 from jaxkv.cli import suite
 from jaxkv.evals import fidelity, report, runner
-from jaxkv.model import loading
+from jaxkv.model import cache_kernel, loading
 from jaxkv.policies import learned as learned_lib
 
 TINY = ["--model", "tiny", "--min-budget", "8", "--batch", "2"]
@@ -289,7 +289,27 @@ def test_generate_picks_the_weight_layout_by_batch(flags, n_prompts, out_first, 
     monkeypatch.setattr(jaxkv, "load", load)
     prompts = [a for i in range(n_prompts) for a in ("--prompt", f"p{i}")]
     assert eval_lib.main(["generate", *prompts, *flags]) == 2
-    assert seen == {"dtype": "float32", "out_first": out_first}
+    assert seen == {"dtype": "float32", "out_first": out_first, "attention": "xla"}
+
+
+def test_generate_passes_the_attention_kernel_to_the_load(monkeypatch):
+    seen = {}
+
+    def load(name, **kwargs):
+        seen.update(kwargs)
+        raise OSError("stop after the load")
+
+    monkeypatch.setattr(jaxkv, "load", load)
+    monkeypatch.setattr(cache_kernel, "available", lambda: True)
+    assert eval_lib.main(["generate", "--prompt", "p", "--attention", "kernel"]) == 2
+    assert seen["attention"] == "kernel"
+
+
+def test_generate_with_an_unavailable_kernel_fails_before_the_model(monkeypatch, capsys):
+    monkeypatch.setattr(cache_kernel, "_load", lambda: (False, "no C++ compiler"))
+    monkeypatch.setattr(jaxkv, "load", lambda *a, **k: pytest.fail("loaded the model"))
+    assert eval_lib.main(["generate", "--prompt", "p", "--attention", "kernel"]) == 2
+    assert "no C++ compiler" in capsys.readouterr().err
 
 
 def test_out_first_for_rejects_an_unknown_layout():

@@ -1,0 +1,166 @@
+"""The compiled CPU attention kernel (``jaxkv.model.cache_kernel``) against a brute-force
+float64 reference, and the decoder with ``config.attention="kernel"`` against its XLA
+attention: the same logits up to float32 summation order, r = 1 still bit-identical to the
+full cache, and the steps the kernel does not serve (statistics, int8 caches) unchanged."""
+
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxkv import kvcache
+from jaxkv.config import ModelConfig
+from jaxkv.eviction import Compression
+from jaxkv.generate import teacher_forced
+from jaxkv.model import cache_kernel, decoder, loading
+from jaxkv.model.params import init_params
+
+if shutil.which("c++") is None and shutil.which("g++") is None:
+    pytest.skip("no C++ compiler to build the kernel with", allow_module_level=True)
+if jax.default_backend() != "cpu":
+    pytest.skip("the kernel is XLA:CPU's", allow_module_level=True)
+
+# head_dim 64 and G = 3 (SmolLM2's) take the kernel's fixed-size path at T = 1
+CFG = ModelConfig.tiny(n_heads=6, n_kv_heads=2, head_dim=64)
+KCFG = CFG.replace(attention="kernel")
+PARAMS = init_params(CFG, key=jax.random.key(0), scale=0.2)
+TOKENS = jax.random.randint(jax.random.key(1), (2, 40), 0, CFG.vocab_size)
+TOL = dict(atol=5e-5, rtol=1e-5)  # another float32 summation order, as out-first weights
+
+
+def test_the_kernel_builds_here():
+    assert cache_kernel.available(), cache_kernel.unavailable_reason()
+
+
+def reference(q, qpos, keys, values, kpos, layer, window):
+    """Brute force in float64: each query row's softmax over the slots it may see."""
+    q, keys, values = (np.asarray(a, np.float64) for a in (q, keys, values))
+    qpos, kpos = np.asarray(qpos), np.asarray(kpos)
+    B, K, G, T, H = q.shape
+    o = np.zeros((B, K, G, T, H))
+    m = np.full((B, K, G, T), -1e30)
+    total = np.zeros((B, K, G, T))
+    for b, k, g, t in np.ndindex(B, K, G, T):
+        p, qp = kpos[layer, b, k], qpos[b, t]
+        ok = (p >= 0) & (qp >= 0) & (p <= qp)
+        if window:
+            ok &= p > qp - window
+        if not ok.any():
+            continue
+        s = keys[layer, b, k][ok] @ q[b, k, g, t] * H**-0.5
+        e = np.exp(s - s.max())
+        m[b, k, g, t], total[b, k, g, t] = s.max(), e.sum()
+        o[b, k, g, t] = e @ values[layer, b, k][ok] / e.sum()
+    return o, m, total
+
+
+CASES = {  # name: (B, K, G, T, H, C, window, dtype)
+    "decode, fixed path": (2, 3, 3, 1, 64, 1030, None, jnp.float32),
+    "decode, window": (1, 2, 3, 1, 64, 700, 300, jnp.float32),
+    "decode, float16 cache": (2, 3, 3, 1, 64, 1030, None, jnp.float16),
+    "Mistral's shape": (1, 2, 4, 1, 128, 513, None, jnp.float32),
+    "several tokens, general path": (2, 2, 3, 3, 64, 600, 200, jnp.float32),
+    "several tokens, float16": (1, 2, 3, 2, 64, 90, None, jnp.float16),
+    "odd head size": (1, 2, 2, 1, 16, 70, None, jnp.float32),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_kernel_equals_a_brute_force_softmax(case):
+    B, K, G, T, H, C, window, dtype = CASES[case]
+    L, layer = 3, 1
+    rng = np.random.default_rng(len(case))
+    q = jnp.asarray(rng.normal(size=(B, K, G, T, H)), jnp.float32)
+    keys = jnp.asarray(rng.normal(size=(L, B, K, C, H)), dtype)
+    values = jnp.asarray(rng.normal(size=(L, B, K, C, H)), dtype)
+    # slots in shuffled order (as after eviction), some empty, some in the future
+    kpos = np.stack([rng.permutation(C) for _ in range(L * B * K)]).reshape(L, B, K, C)
+    kpos = np.where(rng.random(kpos.shape) < 0.1, -1, kpos).astype(np.int32)
+    qpos = np.tile(np.arange(C - T - 20, C - 20, dtype=np.int32), (B, 1))
+    qpos[-1, -1] = -1  # a padding query sees nothing
+    got = jax.jit(lambda *a: cache_kernel.cache_attention(*a, window=window))(
+        q, jnp.asarray(qpos), keys, values, jnp.asarray(kpos), jnp.int32(layer)
+    )
+    want = reference(q, qpos, keys, values, kpos, layer, window)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(g), w, atol=2e-6, rtol=2e-5)
+    o, m, total = (np.asarray(a) for a in got)
+    assert (m[-1, :, :, -1] == np.float32(-1e30)).all() and (total[-1, :, :, -1] == 0).all()
+    assert (o[-1, :, :, -1] == 0).all()
+
+
+@pytest.mark.parametrize("window", [None, 8])
+@pytest.mark.parametrize("kv_dtype", [None, "float16"])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_decoding_through_the_kernel_equals_the_xla_attention(batch, kv_dtype, window):
+    cfg, kcfg = CFG.replace(sliding_window=window), KCFG.replace(sliding_window=window)
+    tokens = TOKENS[:batch]
+    want, _ = teacher_forced(PARAMS, tokens, prompt_len=20, config=cfg, kv_dtype=kv_dtype)
+    got, _ = teacher_forced(PARAMS, tokens, prompt_len=20, config=kcfg, kv_dtype=kv_dtype)
+    # float16: one step's float32 differences can round a new key to the next float16
+    tol = TOL if kv_dtype is None else dict(atol=2e-3, rtol=1e-3)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), **tol)
+
+
+def test_a_whole_block_of_new_tokens_through_the_kernel():
+    """``extend`` with T > 1 (the kernel's general path; the new tokens see each other
+    causally) equals the XLA attention."""
+    out = []
+    for cfg in (CFG, KCFG):
+        cache = kvcache.init_cache(cfg, batch_size=2, capacity=40)
+        _, cache = decoder.prefill(PARAMS, TOKENS[:, :20], cache, config=cfg)
+        logits, _ = decoder.extend(PARAMS, TOKENS[:, 20:27], cache, config=cfg)
+        out.append(np.asarray(logits))
+    np.testing.assert_allclose(out[1], out[0], **TOL)
+
+
+@pytest.mark.parametrize("name", ["streaming_llm", "knorm"])
+def test_ratio_one_equals_the_full_cache_through_the_kernel(name):
+    full, _ = teacher_forced(PARAMS, TOKENS, prompt_len=12, config=KCFG)
+    comp = Compression.make(name, ratio=1.0)
+    got, _ = teacher_forced(PARAMS, TOKENS, prompt_len=12, config=KCFG, compression=comp)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(full))
+
+
+@pytest.mark.parametrize("granularity", ["shared", "head"])
+def test_an_evicted_cache_through_the_kernel_equals_the_xla_attention(granularity):
+    """Eviction leaves slots empty and out of order; the kernel reads positions, as XLA does."""
+    comp = Compression.make("knorm", ratio=0.5, granularity=granularity)
+    want, _ = teacher_forced(PARAMS, TOKENS, prompt_len=12, config=CFG, compression=comp)
+    got, _ = teacher_forced(PARAMS, TOKENS, prompt_len=12, config=KCFG, compression=comp)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), **TOL)
+
+
+@pytest.mark.parametrize("kv_dtype, name", [(None, "h2o"), ("int8", "streaming_llm")])
+def test_steps_the_kernel_does_not_serve_keep_the_xla_attention(kv_dtype, name):
+    """Statistics need the probabilities and an int8 cache its scales: those steps are the
+    XLA attention's, bit for bit."""
+    comp = Compression.make(name, ratio=0.5)
+    kw = dict(prompt_len=12, compression=comp, kv_dtype=kv_dtype)
+    want, _ = teacher_forced(PARAMS, TOKENS, config=CFG, **kw)
+    got, _ = teacher_forced(PARAMS, TOKENS, config=KCFG, **kw)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_an_unavailable_kernel_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(cache_kernel, "_load", lambda: (False, "no C++ compiler"))
+    cache = kvcache.init_cache(CFG, batch_size=1, capacity=8)
+    with pytest.raises(RuntimeError, match="no C++ compiler.*attention='xla'"):
+        decoder.decode_step(PARAMS, jnp.zeros((1,), jnp.int32), cache, config=KCFG)
+
+
+def test_a_failed_build_leaves_no_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("CXX", "false")  # a compiler that always fails
+    out = tmp_path / "kernel.so"
+    with pytest.raises(RuntimeError, match="failed"):
+        cache_kernel._compile(cache_kernel.SOURCE, out)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_unknown_attention_is_rejected_before_loading():
+    with pytest.raises(ValueError, match="attention"):
+        CFG.replace(attention="flash")
+    with pytest.raises(ValueError, match="attention must be one of"):
+        loading.load_model("no-such-model", attention="flash")
