@@ -79,7 +79,8 @@ def test_the_kernel_equals_a_brute_force_softmax(case):
     kpos = np.stack([rng.permutation(C) for _ in range(L * B * K)]).reshape(L, B, K, C)
     kpos = np.where(rng.random(kpos.shape) < 0.1, -1, kpos).astype(np.int32)
     qpos = np.tile(np.arange(C - T - 20, C - 20, dtype=np.int32), (B, 1))
-    qpos[-1, -1] = -1  # a padding query sees nothing
+    if B > 1:
+        qpos[-1, -1] = -1  # a padding query sees nothing
     got = jax.jit(lambda *a: cache_kernel.cache_attention(*a, window=window))(
         q, jnp.asarray(qpos), keys, values, jnp.asarray(kpos), jnp.int32(layer)
     )
@@ -87,8 +88,10 @@ def test_the_kernel_equals_a_brute_force_softmax(case):
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(np.asarray(g), w, atol=2e-6, rtol=2e-5)
     o, m, total = (np.asarray(a) for a in got)
-    assert (m[-1, :, :, -1] == np.float32(-1e30)).all() and (total[-1, :, :, -1] == 0).all()
-    assert (o[-1, :, :, -1] == 0).all()
+    assert (total[:-1] > 0).all()
+    if B > 1:
+        assert (m[-1, :, :, -1] == np.float32(-1e30)).all() and (total[-1, :, :, -1] == 0).all()
+        assert (o[-1, :, :, -1] == 0).all()
 
 
 @pytest.mark.parametrize("window", [None, 8])
@@ -147,7 +150,7 @@ def test_steps_the_kernel_does_not_serve_keep_the_xla_attention(kv_dtype, name):
 def test_an_unavailable_kernel_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(cache_kernel, "_load", lambda: (False, "no C++ compiler"))
     cache = kvcache.init_cache(CFG, batch_size=1, capacity=8)
-    with pytest.raises(RuntimeError, match="no C++ compiler.*attention='xla'"):
+    with pytest.raises(RuntimeError, match=r"no C\+\+ compiler.*attention=.xla."):
         decoder.decode_step(PARAMS, jnp.zeros((1,), jnp.int32), cache, config=KCFG)
 
 
