@@ -55,6 +55,7 @@ import jax.numpy as jnp
 
 import jaxkv
 from jaxkv import eviction, kvcache
+from jaxkv.config import ATTENTION_IMPLEMENTATIONS
 from jaxkv.evals import latency
 from jaxkv.eviction import Compression
 from jaxkv.generate import GREEDY, sample
@@ -139,11 +140,18 @@ def main():
         default=["shared", "head"],
         help="selections to time, comma-separated (the first also sizes decode_stats)",
     )
+    ap.add_argument(
+        "--attention",
+        default="xla",
+        choices=ATTENTION_IMPLEMENTATIONS,
+        help="config.attention of every variant (kernel: jaxkv.model.cache_kernel; int8 "
+        "caches keep xla)",
+    )
     ap.add_argument("--out", default=str(RESULTS / "bench_eviction"), help="path without suffix")
     args = ap.parse_args()
     if not set(args.granularities) <= set(eviction.GRANULARITIES):
         ap.error(f"--granularities: choose from {eviction.GRANULARITIES}")
-    model = jaxkv.load("smollm2-135m")
+    model = jaxkv.load("smollm2-135m", attention=args.attention)
     cfg, params = model.config, model.params
     n_max = args.context + args.steps
     tok = jnp.zeros((args.batch,), jnp.int32)
@@ -248,7 +256,7 @@ def summarize(rows, full_bytes, small_bytes, args, policy_stats, load, paired):
     lines = [
         f"# Eviction benchmark (SmolLM2-135M, batch {args.batch}, context {args.context}, "
         f"r = {args.ratio}, policy {args.policy}, evict every {args.evict_every} step(s), "
-        f"compressed KV {args.kv_dtype}, "
+        f"compressed KV {args.kv_dtype}, attention {args.attention}, "
         f"median of {args.steps} interleaved calls)",
         "",
         f"Load average (1 min) {load[0]:.1f} before the timed calls, {load[1]:.1f} after, on"

@@ -1,7 +1,8 @@
 """The compiled CPU attention kernel (``jaxkv.model.cache_kernel``) against a brute-force
 float64 reference, and the decoder with ``config.attention="kernel"`` against its XLA
 attention: the same logits up to float32 summation order, r = 1 still bit-identical to the
-full cache, and the steps the kernel does not serve (statistics, int8 caches) unchanged."""
+full cache, statistics from the kernel's probabilities, int8 caches (which it does not read)
+unchanged."""
 
 import shutil
 
@@ -35,13 +36,15 @@ def test_the_kernel_builds_here():
 
 
 def reference(q, qpos, keys, values, kpos, layer, window):
-    """Brute force in float64: each query row's softmax over the slots it may see."""
+    """Brute force in float64: each query row's softmax over the slots it may see (its
+    output, maximum score, sum of exponentials and probabilities)."""
     q, keys, values = (np.asarray(a, np.float64) for a in (q, keys, values))
     qpos, kpos = np.asarray(qpos), np.asarray(kpos)
     B, K, G, T, H = q.shape
     o = np.zeros((B, K, G, T, H))
     m = np.full((B, K, G, T), -1e30)
     total = np.zeros((B, K, G, T))
+    p_all = np.zeros((B, K, G, T, keys.shape[3]))
     for b, k, g, t in np.ndindex(B, K, G, T):
         p, qp = kpos[layer, b, k], qpos[b, t]
         ok = (p >= 0) & (qp >= 0) & (p <= qp)
@@ -53,7 +56,8 @@ def reference(q, qpos, keys, values, kpos, layer, window):
         e = np.exp(s - s.max())
         m[b, k, g, t], total[b, k, g, t] = s.max(), e.sum()
         o[b, k, g, t] = e @ values[layer, b, k][ok] / e.sum()
-    return o, m, total
+        p_all[b, k, g, t, ok] = e / e.sum()
+    return o, m, total, p_all
 
 
 CASES = {  # name: (B, K, G, T, H, C, window, dtype)
@@ -81,13 +85,17 @@ def test_the_kernel_equals_a_brute_force_softmax(case):
     qpos = np.tile(np.arange(C - T - 20, C - 20, dtype=np.int32), (B, 1))
     if B > 1:
         qpos[-1, -1] = -1  # a padding query sees nothing
-    got = jax.jit(lambda *a: cache_kernel.cache_attention(*a, window=window))(
-        q, jnp.asarray(qpos), keys, values, jnp.asarray(kpos), jnp.int32(layer)
+    args = (q, jnp.asarray(qpos), keys, values, jnp.asarray(kpos), jnp.int32(layer))
+    got = jax.jit(lambda *a: cache_kernel.cache_attention(*a, window=window, probabilities=True))(
+        *args
     )
     want = reference(q, qpos, keys, values, kpos, layer, window)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(np.asarray(g), w, atol=2e-6, rtol=2e-5)
-    o, m, total = (np.asarray(a) for a in got)
+    lean = jax.jit(lambda *a: cache_kernel.cache_attention(*a, window=window))(*args)
+    for g, w in zip(lean, got[:3], strict=True):  # the same numbers without probabilities
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    o, m, total, _ = (np.asarray(a) for a in got)
     assert (total[:-1] > 0).all()
     if B > 1:
         assert (m[-1, :, :, -1] == np.float32(-1e30)).all() and (total[-1, :, :, -1] == 0).all()
@@ -119,7 +127,7 @@ def test_a_whole_block_of_new_tokens_through_the_kernel():
     np.testing.assert_allclose(out[1], out[0], **TOL)
 
 
-@pytest.mark.parametrize("name", ["streaming_llm", "knorm"])
+@pytest.mark.parametrize("name", ["streaming_llm", "knorm", "h2o", "snapkv"])
 def test_ratio_one_equals_the_full_cache_through_the_kernel(name):
     full, _ = teacher_forced(PARAMS, TOKENS, prompt_len=12, config=KCFG)
     comp = Compression.make(name, ratio=1.0)
@@ -136,12 +144,31 @@ def test_an_evicted_cache_through_the_kernel_equals_the_xla_attention(granularit
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), **TOL)
 
 
-@pytest.mark.parametrize("kv_dtype, name", [(None, "h2o"), ("int8", "streaming_llm")])
-def test_steps_the_kernel_does_not_serve_keep_the_xla_attention(kv_dtype, name):
-    """Statistics need the probabilities and an int8 cache its scales: those steps are the
-    XLA attention's, bit for bit."""
-    comp = Compression.make(name, ratio=0.5)
-    kw = dict(prompt_len=12, compression=comp, kv_dtype=kv_dtype)
+def test_statistics_through_the_kernel_equal_the_xla_attention():
+    """The kernel returns the slots' probabilities when the cache carries statistics: the
+    statistics (all six) and logits equal the XLA attention's, and the logits with statistics
+    equal those without, bit for bit (the probabilities never enter the output)."""
+    out = {}
+    for name, cfg, stats in (("xla", CFG, True), ("kernel", KCFG, True), ("lean", KCFG, False)):
+        cache = kvcache.init_cache(cfg, batch_size=2, capacity=40, stats=stats)
+        _, cache = decoder.prefill(PARAMS, TOKENS[:, :20], cache, config=cfg)
+        logits = []
+        for t in range(20, 28):
+            lg, cache = decoder.decode_step(PARAMS, TOKENS[:, t], cache, config=cfg)
+            logits.append(np.asarray(lg))
+        out[name] = np.stack(logits), {n: np.asarray(a) for n, a in cache.stats.items()}
+    np.testing.assert_allclose(out["kernel"][0], out["xla"][0], **TOL)
+    np.testing.assert_array_equal(out["kernel"][0], out["lean"][0])
+    assert set(out["kernel"][1]) == set(kvcache.STAT_NAMES)
+    for n, a in out["xla"][1].items():
+        np.testing.assert_allclose(out["kernel"][1][n], a, atol=1e-5, rtol=1e-4, err_msg=n)
+
+
+def test_an_int8_cache_keeps_the_xla_attention():
+    """The kernel does not read int8 caches (their scales): those steps are XLA's, bit for
+    bit."""
+    comp = Compression.make("streaming_llm", ratio=0.5)
+    kw = dict(prompt_len=12, compression=comp, kv_dtype="int8")
     want, _ = teacher_forced(PARAMS, TOKENS, config=CFG, **kw)
     got, _ = teacher_forced(PARAMS, TOKENS, config=KCFG, **kw)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

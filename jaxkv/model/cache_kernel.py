@@ -34,15 +34,13 @@ import jaxlib
 import numpy as np
 
 SOURCE = Path(__file__).parent / "csrc" / "cache_attention.cc"
-_TARGETS = {
-    jnp.dtype(jnp.float32): "jaxkv_cache_attention_f32",
-    jnp.dtype(jnp.float16): "jaxkv_cache_attention_f16",
+_SUFFIX = {jnp.dtype(jnp.float32): "f32", jnp.dtype(jnp.float16): "f16"}
+_SYMBOLS = {  # FFI target: the library's symbol
+    f"jaxkv_cache_attention{probs}_{t}": f"JaxkvCacheAttention{probs.title()[1:]}{t.upper()}"
+    for t in _SUFFIX.values()
+    for probs in ("", "_probs")
 }
-_SYMBOLS = {
-    "jaxkv_cache_attention_f32": "JaxkvCacheAttentionF32",
-    "jaxkv_cache_attention_f16": "JaxkvCacheAttentionF16",
-}
-DTYPES = tuple(_TARGETS)
+DTYPES = tuple(_SUFFIX)
 """Cache storage dtypes the kernel reads (others keep the XLA attention)."""
 
 
@@ -127,10 +125,12 @@ def unavailable_reason() -> str:
 
 
 def supports(dtype) -> bool:
-    return jnp.dtype(dtype) in _TARGETS
+    return jnp.dtype(dtype) in _SUFFIX
 
 
-def cache_attention(q_BKGTH, pos_BT, keys_LBKCH, values_LBKCH, kpos_LBKC, layer, *, window):
+def cache_attention(
+    q_BKGTH, pos_BT, keys_LBKCH, values_LBKCH, kpos_LBKC, layer, *, window, probabilities=False
+):
     """Attention of the queries over layer ``layer``'s cache slots, the keys and values read
     in place out of the stacked arrays.
 
@@ -141,11 +141,13 @@ def cache_attention(q_BKGTH, pos_BT, keys_LBKCH, values_LBKCH, kpos_LBKC, layer,
         kpos_LBKC: the slots' positions (-1: empty).
         layer: the layer index (a traced int32 scalar inside the layer scan).
         window: the sliding window (None: none).
+        probabilities: also return the probabilities of the slots.
 
     Returns:
         The output over the cache normalized by its own softmax [B, K, G, T, H], each row's
         maximum score m and sum of exp(s - m) l [B, K, G, T] (m = -1e30, l = 0 for a row that
-        sees no slot), so the caller can merge in other keys.
+        sees no slot), so the caller can merge in other keys; with ``probabilities``, then
+        the probabilities of the slots [B, K, G, T, C] (normalized over the slots).
     """
     ok, why = _load()
     if not ok:
@@ -153,15 +155,19 @@ def cache_attention(q_BKGTH, pos_BT, keys_LBKCH, values_LBKCH, kpos_LBKC, layer,
     B, K, G, T, H = q_BKGTH.shape
     R = G * T
     q = q_BKGTH.astype(jnp.float32).reshape(B, K, R, H)
-    out_types = (
+    C = keys_LBKCH.shape[3]
+    out_types = [
         jax.ShapeDtypeStruct((B, K, R, H), jnp.float32),
         jax.ShapeDtypeStruct((B, K, R), jnp.float32),
         jax.ShapeDtypeStruct((B, K, R), jnp.float32),
-    )
+    ]
+    if probabilities:
+        out_types.append(jax.ShapeDtypeStruct((B, K, R, C), jnp.float32))
+    target = f"jaxkv_cache_attention{'_probs' if probabilities else ''}"
     call = jax.ffi.ffi_call(
-        _TARGETS[jnp.dtype(keys_LBKCH.dtype)], out_types, vmap_method="sequential"
+        f"{target}_{_SUFFIX[jnp.dtype(keys_LBKCH.dtype)]}", out_types, vmap_method="sequential"
     )
-    o, top, total = call(
+    o, top, total, *p = call(
         q,
         pos_BT.astype(jnp.int32),
         keys_LBKCH,
@@ -171,4 +177,5 @@ def cache_attention(q_BKGTH, pos_BT, keys_LBKCH, values_LBKCH, kpos_LBKC, layer,
         window=np.int64(window or 0),
         scale=np.float32(H**-0.5),
     )
-    return o.reshape(B, K, G, T, H), top.reshape(B, K, G, T), total.reshape(B, K, G, T)
+    out = (o.reshape(B, K, G, T, H), top.reshape(B, K, G, T), total.reshape(B, K, G, T))
+    return (*out, p[0].reshape(B, K, G, T, C)) if probabilities else out

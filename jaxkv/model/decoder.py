@@ -224,11 +224,11 @@ def _cached_attention(q, k_new, v_new, pos_BT, cached, config: ModelConfig):
     return out_cache + layers.weighted_values(p_new, v_new), p_cache, p_new
 
 
-def _uses_kernel(cache: KVCache, config: ModelConfig, *, needs_probabilities: bool) -> bool:
+def _uses_kernel(cache: KVCache, config: ModelConfig) -> bool:
     """Whether ``extend`` attends over the cache with ``cache_kernel`` (``config.attention``
-    is ``"kernel"``, the cache is one the kernel reads, and no statistic needs the attention
-    probabilities); ``"kernel"`` where the kernel cannot be built raises."""
-    if config.attention != "kernel" or needs_probabilities:
+    is ``"kernel"`` and the cache is one the kernel reads: float32 or float16, not int8);
+    ``"kernel"`` where the kernel cannot be built raises."""
+    if config.attention != "kernel":
         return False
     if cache.k_scale is not None or not cache_kernel.supports(cache.k.dtype):
         return False
@@ -240,13 +240,20 @@ def _uses_kernel(cache: KVCache, config: ModelConfig, *, needs_probabilities: bo
     return True
 
 
-def _kernel_attention(q, k_new, v_new, pos_BT, layer, cache: KVCache, config: ModelConfig):
-    """``_cached_attention``'s output through ``cache_kernel``: the kernel attends over layer
+def _kernel_attention(
+    q, k_new, v_new, pos_BT, layer, cache: KVCache, config: ModelConfig, *, probabilities
+):
+    """``_cached_attention`` through ``cache_kernel``: the kernel attends over layer
     ``layer``'s slots (read in place from the stacked cache) and returns its rows' softmax
-    maximum and sum, with which the new tokens' own keys and values are merged here."""
+    maximum and sum, with which the new tokens' own keys and values are merged here.
+
+    Returns:
+        The output [B, K, G, T, H] and, with ``probabilities`` (for the statistics), the
+        probabilities of the cache slots and of the new tokens (else None, None).
+    """
     window = config.sliding_window
-    o, m, total_cache = cache_kernel.cache_attention(
-        q, pos_BT, cache.k, cache.v, cache.pos, layer, window=window
+    o, m, total_cache, *p_slots = cache_kernel.cache_attention(
+        q, pos_BT, cache.k, cache.v, cache.pos, layer, window=window, probabilities=probabilities
     )
     q_pos = pos_BT[:, None, None, :, None]
     sees_new = layers.visible(q_pos, pos_BT[:, None, None, None, :], window)  # [B, 1, 1, T, T]
@@ -255,8 +262,11 @@ def _kernel_attention(q, k_new, v_new, pos_BT, layer, cache: KVCache, config: Mo
     w_cache = total_cache * jnp.exp(m - top)
     e_new = jnp.where(sees_new, jnp.exp(s_new - top[..., None]), 0.0)
     total = jnp.maximum(w_cache + jnp.sum(e_new, axis=-1), 1e-30)[..., None]
-    out = o * (w_cache[..., None] / total) + layers.weighted_values(e_new / total, v_new)
-    return out.astype(q.dtype)
+    share_cache, p_new = w_cache[..., None] / total, e_new / total
+    out = o * share_cache + layers.weighted_values(p_new, v_new)
+    if not probabilities:
+        return out.astype(q.dtype), None, None
+    return out.astype(q.dtype), p_slots[0] * share_cache, p_new
 
 
 def extend(
@@ -283,14 +293,16 @@ def extend(
     carried = {n: a for n, a in cache.stats.items() if n in attn_stats.ATTENTION_STATS}
     q_weights = attn_stats.query_moment_weights(pos_BT) if cache.query_stats else None
     q_acc = {n: a for n, a in cache.query_stats.items() if n != "weight"}
-    kernel = _uses_kernel(cache, config, needs_probabilities=weights is not None)
+    kernel = _uses_kernel(cache, config)
 
     def layer(carry, xs):
         x, stats = carry
         i, lp, cached, q_acc_l = xs
         q, k, v, q_pre = _projections(lp, x, pos_BT, config)
         if kernel:  # reads the stacked cache itself, layer i
-            attn = _kernel_attention(q, k, v, pos_BT, i, cache, config)
+            attn, p_cache, p_new = _kernel_attention(
+                q, k, v, pos_BT, i, cache, config, probabilities=weights is not None
+            )
         else:
             attn, p_cache, p_new = _cached_attention(q, k, v, pos_BT, cached, config)
         x = _finish_layer(lp, x, attn, config)

@@ -11,8 +11,9 @@
 // intra-op thread pool.
 //
 // Returned per row: the normalized output over the cache o [B, K, R, H], m and l [B, K, R],
-// from which the caller merges in the new tokens' own keys and values. A row that sees no
-// slot gets m = -1e30, l = 0 and o = 0.
+// from which the caller merges in the new tokens' own keys and values, and (the ``Probs``
+// targets, for the attention statistics) the probabilities of the slots [B, K, R, C],
+// normalized over the cache. A row that sees no slot gets m = -1e30, l = 0 and o = 0.
 
 #include <algorithm>
 #include <atomic>
@@ -83,12 +84,14 @@ inline const float* as_float(const uint16_t* row, int64_t H, float* __restrict b
 }
 
 // One chunk [c0, c1) of (b, k): scores of the R rows, their maximum, exp sums and
-// unnormalized outputs into m[R], l[R], acc[R * H].
+// unnormalized outputs into m[R], l[R], acc[R * H]; with ``probs`` (the (b, k) block of the
+// [R, C] probabilities, or null) the exponentials of the chunk's slots, which the merge
+// scales.
 template <typename KV>
 void chunk_attention(const Shape& s, const float* __restrict q, const int32_t* __restrict qpos,
                      const KV* __restrict keys, const KV* __restrict values,
                      const int32_t* __restrict kpos, int64_t c0, int64_t c1, float* __restrict m,
-                     float* __restrict l, float* __restrict acc) {
+                     float* __restrict l, float* __restrict acc, float* __restrict probs) {
   const int64_t R = s.R, H = s.H, n = c1 - c0;
   std::vector<float> score_buf(R * n), row_buf(H);
   float* __restrict scores = score_buf.data();
@@ -124,6 +127,7 @@ void chunk_attention(const Shape& s, const float* __restrict q, const int32_t* _
     }
     m[r] = top;
     l[r] = sum;
+    if (probs != nullptr) std::memcpy(probs + r * s.C + c0, sr, n * sizeof(float));
   }
   std::fill(acc, acc + R * H, 0.0f);
   for (int64_t c = 0; c < n; ++c) {
@@ -189,7 +193,7 @@ template <typename KV, int kR, int kH>
 void chunk_fixed(const Shape& s, const float* __restrict q, const int32_t* __restrict qpos,
                  const KV* __restrict keys, const KV* __restrict values,
                  const int32_t* __restrict kpos, int64_t c0, int64_t c1, float* __restrict m,
-                 float* __restrict l, float* __restrict acc) {
+                 float* __restrict l, float* __restrict acc, float* __restrict probs) {
   constexpr int kV = kH / 16;
   const int64_t n = c1 - c0;
   std::vector<float> score_buf(kR * n);
@@ -250,6 +254,7 @@ void chunk_fixed(const Shape& s, const float* __restrict q, const int32_t* __res
     }
     m[r] = top;
     l[r] = sum;
+    if (probs != nullptr) std::memcpy(probs + r * s.C + c0, sr, n * sizeof(float));
   }
   v16 av[kR][kV] = {};
   for (int64_t c = 0; c < n; ++c) {
@@ -267,7 +272,7 @@ void chunk_fixed(const Shape& s, const float* __restrict q, const int32_t* __res
 
 template <typename KV>
 using ChunkFn = void (*)(const Shape&, const float*, const int32_t*, const KV*, const KV*,
-                         const int32_t*, int64_t, int64_t, float*, float*, float*);
+                         const int32_t*, int64_t, int64_t, float*, float*, float*, float*);
 
 template <typename KV, int kH>
 ChunkFn<KV> pick_rows(int64_t R) {
@@ -289,13 +294,13 @@ ChunkFn<KV> pick(const Shape& s) {
   return chunk_attention<KV>;
 }
 
+// The whole call; ``probs`` (null: not wanted) receives each row's probabilities over the
+// cache slots, normalized over the cache [B, K, R, C].
 template <ffi::DataType KVType>
-ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
-                              ffi::Buffer<ffi::S32> qpos, ffi::Buffer<KVType> keys,
-                              ffi::Buffer<KVType> values, ffi::Buffer<ffi::S32> kpos,
-                              ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out,
-                              ffi::ResultBuffer<ffi::F32> out_m, ffi::ResultBuffer<ffi::F32> out_l,
-                              int64_t window, float scale) {
+ffi::Error Attend(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::S32>& qpos,
+                  ffi::Buffer<KVType>& keys, ffi::Buffer<KVType>& values,
+                  ffi::Buffer<ffi::S32>& kpos, ffi::Buffer<ffi::S32>& layer, float* o, float* om,
+                  float* ol, float* probs, int64_t window, float scale) {
   using KV = ffi::NativeType<KVType>;
   auto qd = q.dimensions();     // [B, K, R, H]
   auto pd = qpos.dimensions();  // [B, T]
@@ -329,7 +334,8 @@ ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   const int32_t* kpbase = kpos.typed_data() + s.layer * s.B * s.K * s.C;
 
   const ChunkFn<KV> chunk_fn = pick<KV>(s);
-  auto run = [s, work, n_items, n_chunks, per_item, qd_, pos, kbase, vbase, kpbase, chunk_fn]() {
+  auto run = [s, work, n_items, n_chunks, per_item, qd_, pos, kbase, vbase, kpbase, chunk_fn,
+              probs]() {
     std::vector<int32_t> rowpos(s.R);
     for (;;) {
       const int64_t i = work->next.fetch_add(1);
@@ -339,8 +345,8 @@ ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
       const int64_t c0 = chunk * kChunk, c1 = std::min(s.C, c0 + kChunk);
       float* part = work->partial.data() + i * per_item;
       chunk_fn(s, qd_ + bk * s.R * s.H, rowpos.data(), kbase + bk * s.C * s.H,
-                          vbase + bk * s.C * s.H, kpbase + bk * s.C, c0, c1, part, part + s.R,
-                          part + 2 * s.R);
+               vbase + bk * s.C * s.H, kpbase + bk * s.C, c0, c1, part, part + s.R,
+               part + 2 * s.R, probs == nullptr ? nullptr : probs + bk * s.R * s.C);
       work->done.fetch_add(1);
     }
   };
@@ -349,53 +355,93 @@ ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   run();
   while (work->done.load() < n_items) std::this_thread::yield();
 
-  float* o = out->typed_data();
-  float* om = out_m->typed_data();
-  float* ol = out_l->typed_data();
+  // Merge the chunks of each row: weights exp(m_chunk - m) of their partial sums and outputs.
+  std::vector<float> w(n_chunks);
   for (int64_t bk = 0; bk < s.B * s.K; ++bk) {
     for (int64_t r = 0; r < s.R; ++r) {
+      const float* parts = work->partial.data() + bk * n_chunks * per_item;
       float top = kNegInf;
-      for (int64_t c = 0; c < n_chunks; ++c) {
-        top = std::max(top, work->partial[(bk * n_chunks + c) * per_item + r]);
-      }
+      for (int64_t c = 0; c < n_chunks; ++c) top = std::max(top, parts[c * per_item + r]);
       float sum = 0.0f;
+      for (int64_t c = 0; c < n_chunks; ++c) {
+        const float* part = parts + c * per_item;
+        w[c] = part[s.R + r] == 0.0f ? 0.0f : exp_nonpositive(part[r] - top);
+        sum += w[c] * part[s.R + r];
+      }
+      const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
       float* orow = o + (bk * s.R + r) * s.H;
       std::fill(orow, orow + s.H, 0.0f);
       for (int64_t c = 0; c < n_chunks; ++c) {
-        const float* part = work->partial.data() + (bk * n_chunks + c) * per_item;
-        if (part[s.R + r] == 0.0f) continue;
-        const float w = exp_nonpositive(part[r] - top);
-        sum += w * part[s.R + r];
-        const float* acc = part + 2 * s.R + r * s.H;
-        for (int64_t h = 0; h < s.H; ++h) orow[h] += w * acc[h];
+        if (w[c] == 0.0f) continue;
+        const float* acc = parts + c * per_item + 2 * s.R + r * s.H;
+        for (int64_t h = 0; h < s.H; ++h) orow[h] += w[c] * acc[h];
       }
-      const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
       for (int64_t h = 0; h < s.H; ++h) orow[h] *= inv;
       om[bk * s.R + r] = top;
       ol[bk * s.R + r] = sum;
+      if (probs == nullptr) continue;
+      float* prow = probs + (bk * s.R + r) * s.C;
+      for (int64_t c = 0; c < n_chunks; ++c) {
+        const float f = w[c] * inv;
+        const int64_t c0 = c * kChunk, c1 = std::min(s.C, c0 + kChunk);
+#pragma omp simd
+        for (int64_t j = c0; j < c1; ++j) prow[j] *= f;
+      }
     }
   }
   return ffi::Error::Success();
 }
 
+template <ffi::DataType KVType>
+ffi::Error CacheAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S32> qpos,
+                          ffi::Buffer<KVType> keys, ffi::Buffer<KVType> values,
+                          ffi::Buffer<ffi::S32> kpos, ffi::Buffer<ffi::S32> layer,
+                          ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> out_m,
+                          ffi::ResultBuffer<ffi::F32> out_l, int64_t window, float scale) {
+  return Attend<KVType>(pool, q, qpos, keys, values, kpos, layer, out->typed_data(),
+                        out_m->typed_data(), out_l->typed_data(), nullptr, window, scale);
+}
+
+template <ffi::DataType KVType>
+ffi::Error CacheAttentionProbs(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                               ffi::Buffer<ffi::S32> qpos, ffi::Buffer<KVType> keys,
+                               ffi::Buffer<KVType> values, ffi::Buffer<ffi::S32> kpos,
+                               ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out,
+                               ffi::ResultBuffer<ffi::F32> out_m, ffi::ResultBuffer<ffi::F32> out_l,
+                               ffi::ResultBuffer<ffi::F32> out_p, int64_t window, float scale) {
+  return Attend<KVType>(pool, q, qpos, keys, values, kpos, layer, out->typed_data(),
+                        out_m->typed_data(), out_l->typed_data(), out_p->typed_data(), window,
+                        scale);
+}
+
 }  // namespace
 
-// The same signature for each storage type of the cache.
-#define JAXKV_CACHE_ATTENTION(name, kv_type)                  \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, CacheAttentionImpl<kv_type>, \
-                                ffi::Ffi::Bind()                \
-                                    .Ctx<ffi::ThreadPool>()     \
-                                    .Arg<ffi::Buffer<ffi::F32>>() \
-                                    .Arg<ffi::Buffer<ffi::S32>>() \
-                                    .Arg<ffi::Buffer<kv_type>>()  \
-                                    .Arg<ffi::Buffer<kv_type>>()  \
-                                    .Arg<ffi::Buffer<ffi::S32>>() \
-                                    .Arg<ffi::Buffer<ffi::S32>>() \
-                                    .Ret<ffi::Buffer<ffi::F32>>() \
-                                    .Ret<ffi::Buffer<ffi::F32>>() \
-                                    .Ret<ffi::Buffer<ffi::F32>>() \
-                                    .Attr<int64_t>("window")    \
-                                    .Attr<float>("scale"))
+// The same signature for each storage type of the cache; the ``Probs`` targets also return
+// the probabilities of the cache slots (for the attention statistics).
+#define JAXKV_BIND(kv_type)                \
+  ffi::Ffi::Bind()                         \
+      .Ctx<ffi::ThreadPool>()              \
+      .Arg<ffi::Buffer<ffi::F32>>()        \
+      .Arg<ffi::Buffer<ffi::S32>>()        \
+      .Arg<ffi::Buffer<kv_type>>()         \
+      .Arg<ffi::Buffer<kv_type>>()         \
+      .Arg<ffi::Buffer<ffi::S32>>()        \
+      .Arg<ffi::Buffer<ffi::S32>>()        \
+      .Ret<ffi::Buffer<ffi::F32>>()        \
+      .Ret<ffi::Buffer<ffi::F32>>()        \
+      .Ret<ffi::Buffer<ffi::F32>>()
 
-JAXKV_CACHE_ATTENTION(JaxkvCacheAttentionF32, ffi::F32);
-JAXKV_CACHE_ATTENTION(JaxkvCacheAttentionF16, ffi::F16);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvCacheAttentionF32, CacheAttention<ffi::F32>,
+                              JAXKV_BIND(ffi::F32).Attr<int64_t>("window").Attr<float>("scale"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvCacheAttentionF16, CacheAttention<ffi::F16>,
+                              JAXKV_BIND(ffi::F16).Attr<int64_t>("window").Attr<float>("scale"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvCacheAttentionProbsF32, CacheAttentionProbs<ffi::F32>,
+                              JAXKV_BIND(ffi::F32)
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("window")
+                                  .Attr<float>("scale"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvCacheAttentionProbsF16, CacheAttentionProbs<ffi::F16>,
+                              JAXKV_BIND(ffi::F16)
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("window")
+                                  .Attr<float>("scale"));
