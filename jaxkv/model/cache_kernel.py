@@ -8,12 +8,13 @@ cached key and value once, for all the query rows of its KV head, straight out o
 ``[L, B, K, C, H]`` arrays, with the layer index as an operand (so nothing is sliced or
 copied), on XLA's intra-op threads.
 
-The kernel is built on first use with the machine's C++ compiler (``$CXX``, else ``c++``), for
-the machine's own CPU, into ``$JAXKV_KERNEL_DIR`` (default ``~/.cache/jaxkv/kernels``), keyed
-by the source, jaxlib's version and the CPU's flags; a build is written to a temporary file
-and renamed, so an interrupted build leaves nothing half-written. Without a compiler, or off
-CPU, ``available()`` is False (``unavailable_reason()`` says why) and the decoder keeps its
-XLA attention: the kernel is a speed-up, never a requirement.
+The kernel is built on first use (about 5 s) with the machine's C++ compiler (``$CXX``, else
+``c++``), for the machine's own CPU, into ``jaxkv.model.loading.cache_dir()/kernels``
+(``~/.cache/jaxkv`` unless ``$JAXKV_CACHE_DIR`` says otherwise), keyed by the source, jaxlib's
+version and the CPU's flags; a build is written to a temporary file and renamed, so an
+interrupted build leaves nothing half-written. Without a compiler, or off CPU, ``available()``
+is False (``unavailable_reason()`` says why) and ``config.attention="kernel"`` is an error; the
+default, ``"xla"``, never needs the kernel.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ import jax
 import jax.numpy as jnp
 import jaxlib
 import numpy as np
+
+from jaxkv.model import loading
 
 SOURCE = Path(__file__).parent / "csrc" / "cache_attention.cc"
 _SUFFIX = {jnp.dtype(jnp.float32): "f32", jnp.dtype(jnp.float16): "f16"}
@@ -62,7 +65,7 @@ def _build_key(source: bytes) -> str:
 
 
 def _kernel_dir() -> Path:
-    return Path(os.environ.get("JAXKV_KERNEL_DIR", Path.home() / ".cache" / "jaxkv" / "kernels"))
+    return loading.cache_dir() / "kernels"
 
 
 def _compile(source: Path, out: Path) -> None:
