@@ -37,8 +37,8 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.floa
 ATTENTION_IMPLEMENTATIONS = ("xla", "kernel")
 """How a decode step attends over the cache: ``xla`` (jax.numpy, every backend) or ``kernel``
 (``jaxkv.model.cache_kernel``, a compiled CPU kernel that reads each cached key and value
-once, and returns the slots' probabilities when the cache's statistics need them; int8
-caches, which it does not read, keep ``xla``)."""
+once, float32, float16 or int8, and returns the slots' probabilities when the cache's
+statistics need them)."""
 
 
 @dataclasses.dataclass(frozen=True)

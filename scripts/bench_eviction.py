@@ -144,8 +144,7 @@ def main():
         "--attention",
         default="xla",
         choices=ATTENTION_IMPLEMENTATIONS,
-        help="config.attention of every variant (kernel: jaxkv.model.cache_kernel; int8 "
-        "caches keep xla)",
+        help="config.attention of every variant (kernel: jaxkv.model.cache_kernel)",
     )
     ap.add_argument("--out", default=str(RESULTS / "bench_eviction"), help="path without suffix")
     args = ap.parse_args()

@@ -415,6 +415,10 @@ def make_engines(args, client):
             engines["jaxkv int8 + f16 KV"] = JaxEngine(int8, label="int8-kv16", kv_dtype="float16")
         if args.kernel:
             engines["jaxkv int8 + kernel"] = JaxEngine(with_kernel(int8), label="int8-kernel")
+            if args.int8_cache:
+                engines["jaxkv int8 + int8 KV + kernel"] = JaxEngine(
+                    with_kernel(int8), label="int8-kv8-kernel", kv_dtype="int8"
+                )
             if args.f16_cache:
                 engines["jaxkv int8 + f16 KV + kernel"] = JaxEngine(
                     with_kernel(int8), label="int8-kv16-kernel", kv_dtype="float16"
@@ -546,6 +550,7 @@ PAIRS = [  # (ours, peer): ours' speed relative to the peer's, >1 = ours faster
     ("jaxkv f32 out-first + f16 KV + kernel", "llama.cpp F32"),
     ("jaxkv int8 + kernel", "llama.cpp Q8_0"),
     ("jaxkv int8 + f16 KV + kernel", "llama.cpp Q8_0"),
+    ("jaxkv int8 + int8 KV + kernel", "llama.cpp Q8_0"),
     # ``--floor``: ours is the floor, so the "speed-up" is jaxkv's time over the floor's
     ("floor f32", "jaxkv f32 out-first"),
     ("floor f32", "jaxkv f32"),
@@ -629,7 +634,8 @@ def main():
         action="store_true",
         help="also jaxkv with config.attention='kernel' (the compiled CPU attention kernel, "
         "jaxkv.model.cache_kernel): out-first f32 (with --out-first) and int8 weights, each "
-        "with the f32 KV cache and (with --f16-cache) the f16 one",
+        "with the f32 KV cache, (with --f16-cache) the f16 one and (int8 weights, with "
+        "--int8-cache) the int8 one",
     )
     ap.add_argument("--no-batch8", action="store_true", help="skip the batch-8 decode rows")
     ap.add_argument(

@@ -1,8 +1,8 @@
 """The compiled CPU attention kernel (``jaxkv.model.cache_kernel``) against a brute-force
 float64 reference, and the decoder with ``config.attention="kernel"`` against its XLA
 attention: the same logits up to float32 summation order, r = 1 still bit-identical to the
-full cache, statistics from the kernel's probabilities, int8 caches (which it does not read)
-unchanged."""
+full cache, statistics from the kernel's probabilities, int8 caches' scales folded as XLA
+folds them."""
 
 import shutil
 
@@ -68,6 +68,8 @@ CASES = {  # name: (B, K, G, T, H, C, window, dtype)
     "several tokens, general path": (2, 2, 3, 3, 64, 600, 200, jnp.float32),
     "several tokens, float16": (1, 2, 3, 2, 64, 90, None, jnp.float16),
     "odd head size": (1, 2, 2, 1, 16, 70, None, jnp.float32),
+    "decode, int8 cache": (2, 3, 3, 1, 64, 1030, 300, jnp.int8),
+    "several tokens, int8": (2, 2, 3, 2, 64, 90, None, jnp.int8),
 }
 
 
@@ -77,8 +79,17 @@ def test_the_kernel_equals_a_brute_force_softmax(case):
     L, layer = 3, 1
     rng = np.random.default_rng(len(case))
     q = jnp.asarray(rng.normal(size=(B, K, G, T, H)), jnp.float32)
-    keys = jnp.asarray(rng.normal(size=(L, B, K, C, H)), dtype)
-    values = jnp.asarray(rng.normal(size=(L, B, K, C, H)), dtype)
+    keys, values = (jnp.asarray(rng.normal(size=(L, B, K, C, H)), dtype) for _ in range(2))
+    scales, dense = None, (keys, values)
+    if dtype == jnp.int8:  # int8 values and per-slot scales, as kvcache.quantize stores them
+        keys, values = (jnp.asarray(rng.integers(-127, 128, (L, B, K, C, H)), dtype) for _ in "kv")
+        scales = tuple(
+            jnp.asarray(rng.uniform(0.005, 0.02, (L, B, K, C)), jnp.float32) for _ in "kv"
+        )
+        dense = [
+            np.asarray(x, np.float64) * np.asarray(sc)[..., None]
+            for x, sc in zip((keys, values), scales, strict=True)
+        ]
     # slots in shuffled order (as after eviction), some empty, some in the future
     kpos = np.stack([rng.permutation(C) for _ in range(L * B * K)]).reshape(L, B, K, C)
     kpos = np.where(rng.random(kpos.shape) < 0.1, -1, kpos).astype(np.int32)
@@ -86,13 +97,12 @@ def test_the_kernel_equals_a_brute_force_softmax(case):
     if B > 1:
         qpos[-1, -1] = -1  # a padding query sees nothing
     args = (q, jnp.asarray(qpos), keys, values, jnp.asarray(kpos), jnp.int32(layer))
-    got = jax.jit(lambda *a: cache_kernel.cache_attention(*a, window=window, probabilities=True))(
-        *args
-    )
-    want = reference(q, qpos, keys, values, kpos, layer, window)
+    kw = dict(window=window, scales=scales)
+    got = jax.jit(lambda *a: cache_kernel.cache_attention(*a, **kw, probabilities=True))(*args)
+    want = reference(q, qpos, *dense, kpos, layer, window)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(np.asarray(g), w, atol=2e-6, rtol=2e-5)
-    lean = jax.jit(lambda *a: cache_kernel.cache_attention(*a, window=window))(*args)
+    lean = jax.jit(lambda *a: cache_kernel.cache_attention(*a, **kw))(*args)
     for g, w in zip(lean, got[:3], strict=True):  # the same numbers without probabilities
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
     o, m, total, _ = (np.asarray(a) for a in got)
@@ -164,14 +174,23 @@ def test_statistics_through_the_kernel_equal_the_xla_attention():
         np.testing.assert_allclose(out["kernel"][1][n], a, atol=1e-5, rtol=1e-4, err_msg=n)
 
 
-def test_an_int8_cache_keeps_the_xla_attention():
-    """The kernel does not read int8 caches (their scales): those steps are XLA's, bit for
-    bit."""
-    comp = Compression.make("streaming_llm", ratio=0.5)
+@pytest.mark.parametrize("name", ["streaming_llm", "h2o"])
+def test_an_int8_cache_through_the_kernel_equals_the_xla_attention(name):
+    """The kernel folds an int8 cache's scales as the XLA attention does (key scales into the
+    scores, value scales into the probabilities' weights), with and without statistics."""
+    comp = Compression.make(name, ratio=0.5)
     kw = dict(prompt_len=12, compression=comp, kv_dtype="int8")
     want, _ = teacher_forced(PARAMS, TOKENS, config=CFG, **kw)
     got, _ = teacher_forced(PARAMS, TOKENS, config=KCFG, **kw)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), **TOL)
+
+
+def test_scales_go_with_an_int8_cache_only():
+    q = jnp.zeros((1, 1, 1, 1, 64))
+    keys = jnp.zeros((1, 1, 1, 8, 64), jnp.int8)
+    args = (q, jnp.zeros((1, 1), jnp.int32), keys, keys, jnp.zeros((1, 1, 1, 8), jnp.int32), 0)
+    with pytest.raises(ValueError, match="int8 cache needs its scales"):
+        cache_kernel.cache_attention(*args, window=None)
 
 
 def test_an_unavailable_kernel_is_a_clear_error(monkeypatch):

@@ -144,8 +144,7 @@ def _generate_flags(parser: argparse.ArgumentParser) -> None:
         choices=ATTENTION_IMPLEMENTATIONS,
         help="how decode steps attend over the cache: xla (default) or kernel, a C++ CPU "
         "kernel built on first use with the machine's compiler, which reads each cached key "
-        "and value once (about 1.3x faster decode at 4K context on the 2-core CPU; int8 "
-        "caches keep xla)",
+        "and value once (about 1.3x faster decode at 4K context on the 2-core CPU)",
     )
     parser.add_argument(
         "--prompt", action="append", required=True, help="prompt text (repeat for a batch)"

@@ -37,7 +37,7 @@ import numpy as np
 from jaxkv.model import loading
 
 SOURCE = Path(__file__).parent / "csrc" / "cache_attention.cc"
-_SUFFIX = {jnp.dtype(jnp.float32): "f32", jnp.dtype(jnp.float16): "f16"}
+_SUFFIX = {jnp.dtype(jnp.float32): "f32", jnp.dtype(jnp.float16): "f16", jnp.dtype(jnp.int8): "s8"}
 _SYMBOLS = {  # FFI target: the library's symbol
     f"jaxkv_cache_attention{probs}_{t}": f"JaxkvCacheAttention{probs.title()[1:]}{t.upper()}"
     for t in _SUFFIX.values()
@@ -132,7 +132,16 @@ def supports(dtype) -> bool:
 
 
 def cache_attention(
-    q_BKGTH, pos_BT, keys_LBKCH, values_LBKCH, kpos_LBKC, layer, *, window, probabilities=False
+    q_BKGTH,
+    pos_BT,
+    keys_LBKCH,
+    values_LBKCH,
+    kpos_LBKC,
+    layer,
+    *,
+    window,
+    scales=None,
+    probabilities=False,
 ):
     """Attention of the queries over layer ``layer``'s cache slots, the keys and values read
     in place out of the stacked arrays.
@@ -140,10 +149,13 @@ def cache_attention(
     Args:
         q_BKGTH: rotated queries (float32).
         pos_BT: the queries' positions (-1: padding).
-        keys_LBKCH, values_LBKCH: the whole stacked cache (float32 or float16).
+        keys_LBKCH, values_LBKCH: the whole stacked cache (float32, float16 or int8).
         kpos_LBKC: the slots' positions (-1: empty).
         layer: the layer index (a traced int32 scalar inside the layer scan).
         window: the sliding window (None: none).
+        scales: an int8 cache's per-slot key and value scales ([L, B, K, C] each; None for a
+            float cache): a slot's key scale multiplies its scores, its value scale its
+            probability's weight on its value, as ``decoder._cached_attention`` folds them.
         probabilities: also return the probabilities of the slots.
 
     Returns:
@@ -170,12 +182,15 @@ def cache_attention(
     call = jax.ffi.ffi_call(
         f"{target}_{_SUFFIX[jnp.dtype(keys_LBKCH.dtype)]}", out_types, vmap_method="sequential"
     )
+    if (scales is None) != (keys_LBKCH.dtype != jnp.int8):
+        raise ValueError("an int8 cache needs its scales, and only an int8 cache has them")
     o, top, total, *p = call(
         q,
         pos_BT.astype(jnp.int32),
         keys_LBKCH,
         values_LBKCH,
         kpos_LBKC.astype(jnp.int32),
+        *(() if scales is None else (s.astype(jnp.float32) for s in scales)),
         jnp.asarray(layer, jnp.int32).reshape(1),
         window=np.int64(window or 0),
         scale=np.float32(H**-0.5),

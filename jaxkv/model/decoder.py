@@ -226,11 +226,9 @@ def _cached_attention(q, k_new, v_new, pos_BT, cached, config: ModelConfig):
 
 def _uses_kernel(cache: KVCache, config: ModelConfig) -> bool:
     """Whether ``extend`` attends over the cache with ``cache_kernel`` (``config.attention``
-    is ``"kernel"`` and the cache is one the kernel reads: float32 or float16, not int8);
+    is ``"kernel"`` and the kernel reads the cache's dtype: float32, float16 or int8);
     ``"kernel"`` where the kernel cannot be built raises."""
-    if config.attention != "kernel":
-        return False
-    if cache.k_scale is not None or not cache_kernel.supports(cache.k.dtype):
+    if config.attention != "kernel" or not cache_kernel.supports(cache.k.dtype):
         return False
     if not cache_kernel.available():
         raise RuntimeError(
@@ -252,8 +250,17 @@ def _kernel_attention(
         probabilities of the cache slots and of the new tokens (else None, None).
     """
     window = config.sliding_window
+    scales = None if cache.k_scale is None else (cache.k_scale, cache.v_scale)
     o, m, total_cache, *p_slots = cache_kernel.cache_attention(
-        q, pos_BT, cache.k, cache.v, cache.pos, layer, window=window, probabilities=probabilities
+        q,
+        pos_BT,
+        cache.k,
+        cache.v,
+        cache.pos,
+        layer,
+        window=window,
+        scales=scales,
+        probabilities=probabilities,
     )
     q_pos = pos_BT[:, None, None, :, None]
     sees_new = layers.visible(q_pos, pos_BT[:, None, None, None, :], window)  # [B, 1, 1, T, T]

@@ -63,6 +63,11 @@ inline float widen(T x) {
 }
 
 template <>
+inline float widen<int8_t>(int8_t x) {
+  return static_cast<float>(x);
+}
+
+template <>
 inline float widen<uint16_t>(uint16_t x) {
   _Float16 h;
   std::memcpy(&h, &x, sizeof(h));
@@ -78,6 +83,11 @@ struct Shape {
 // A cached row as float32: the stored row itself, or widened into ``buf``.
 inline const float* as_float(const float* row, int64_t, float*) { return row; }
 
+inline const float* as_float(const int8_t* row, int64_t H, float* __restrict buf) {
+  for (int64_t h = 0; h < H; ++h) buf[h] = widen(row[h]);
+  return buf;
+}
+
 inline const float* as_float(const uint16_t* row, int64_t H, float* __restrict buf) {
   for (int64_t h = 0; h < H; ++h) buf[h] = widen(row[h]);
   return buf;
@@ -86,12 +96,15 @@ inline const float* as_float(const uint16_t* row, int64_t H, float* __restrict b
 // One chunk [c0, c1) of (b, k): scores of the R rows, their maximum, exp sums and
 // unnormalized outputs into m[R], l[R], acc[R * H]; with ``probs`` (the (b, k) block of the
 // [R, C] probabilities, or null) the exponentials of the chunk's slots, which the merge
-// scales.
+// scales. ``ks`` and ``vs`` are an int8 cache's per-slot key and value scales of (b, k) (null
+// for a float cache): a slot's key scale multiplies its scores, its value scale its
+// probabilities' weight on its value.
 template <typename KV>
 void chunk_attention(const Shape& s, const float* __restrict q, const int32_t* __restrict qpos,
                      const KV* __restrict keys, const KV* __restrict values,
                      const int32_t* __restrict kpos, int64_t c0, int64_t c1, float* __restrict m,
-                     float* __restrict l, float* __restrict acc, float* __restrict probs) {
+                     float* __restrict l, float* __restrict acc, float* __restrict probs,
+                     const float* __restrict ks, const float* __restrict vs) {
   const int64_t R = s.R, H = s.H, n = c1 - c0;
   std::vector<float> score_buf(R * n), row_buf(H);
   float* __restrict scores = score_buf.data();
@@ -106,7 +119,7 @@ void chunk_attention(const Shape& s, const float* __restrict q, const int32_t* _
       float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
       for (int64_t h = 0; h < H; ++h) dot += qr[h] * kc[h];
-      scores[r * n + c] = ok ? dot * s.scale : kNegInf;
+      scores[r * n + c] = ok ? dot * s.scale * (ks ? ks[c0 + c] : 1.0f) : kNegInf;
     }
   }
   for (int64_t r = 0; r < R; ++r) {
@@ -132,8 +145,9 @@ void chunk_attention(const Shape& s, const float* __restrict q, const int32_t* _
   std::fill(acc, acc + R * H, 0.0f);
   for (int64_t c = 0; c < n; ++c) {
     const float* __restrict vc = as_float(values + (c0 + c) * H, H, buf);
+    const float v_scale = vs ? vs[c0 + c] : 1.0f;
     for (int64_t r = 0; r < R; ++r) {
-      const float p = scores[r * n + c];
+      const float p = scores[r * n + c] * v_scale;
       float* __restrict ar = acc + r * H;
 #pragma omp simd
       for (int64_t h = 0; h < H; ++h) ar[h] += p * vc[h];
@@ -170,6 +184,18 @@ inline v16 load16(const uint16_t* p) {  // float16 storage, widened by the CPU's
   return v;
 }
 
+inline v16 load16(const int8_t* p) {  // int8 storage, widened
+  v16 v;
+#if defined(__AVX512F__)
+  const __m512 w =
+      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  std::memcpy(&v, &w, sizeof(v));
+#else
+  for (int u = 0; u < 16; ++u) v[u] = static_cast<float>(p[u]);
+#endif
+  return v;
+}
+
 // The four sums of a, b, c, d (lanes 0-3 of the result hold them; the rest is junk).
 inline v16 sum4(v16 a, v16 b, v16 c, v16 d) {
   v16 ab = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
@@ -193,7 +219,8 @@ template <typename KV, int kR, int kH>
 void chunk_fixed(const Shape& s, const float* __restrict q, const int32_t* __restrict qpos,
                  const KV* __restrict keys, const KV* __restrict values,
                  const int32_t* __restrict kpos, int64_t c0, int64_t c1, float* __restrict m,
-                 float* __restrict l, float* __restrict acc, float* __restrict probs) {
+                 float* __restrict l, float* __restrict acc, float* __restrict probs,
+                     const float* __restrict ks, const float* __restrict vs) {
   constexpr int kV = kH / 16;
   const int64_t n = c1 - c0;
   std::vector<float> score_buf(kR * n);
@@ -238,7 +265,7 @@ void chunk_fixed(const Shape& s, const float* __restrict q, const int32_t* __res
     for (int64_t c = 0; c < n; ++c) {
       const int32_t p = kpos[c0 + c];
       const bool ok = p >= 0 && qp >= 0 && p <= qp && (s.window == 0 || p > qp - s.window);
-      sr[c] = ok ? sr[c] * s.scale : kNegInf;
+      sr[c] = ok ? sr[c] * s.scale * (ks ? ks[c0 + c] : 1.0f) : kNegInf;
       top = std::max(top, sr[c]);
     }
     float sum = 0.0f;
@@ -261,8 +288,9 @@ void chunk_fixed(const Shape& s, const float* __restrict q, const int32_t* __res
     const KV* vc = values + (c0 + c) * kH;
     v16 vv[kV];
     for (int j = 0; j < kV; ++j) vv[j] = load16(vc + 16 * j);
+    const float v_scale = vs ? vs[c0 + c] : 1.0f;
     for (int r = 0; r < kR; ++r) {
-      const float p = scores[r * n + c];
+      const float p = scores[r * n + c] * v_scale;
       for (int j = 0; j < kV; ++j) av[r][j] += p * vv[j];
     }
   }
@@ -272,7 +300,8 @@ void chunk_fixed(const Shape& s, const float* __restrict q, const int32_t* __res
 
 template <typename KV>
 using ChunkFn = void (*)(const Shape&, const float*, const int32_t*, const KV*, const KV*,
-                         const int32_t*, int64_t, int64_t, float*, float*, float*, float*);
+                         const int32_t*, int64_t, int64_t, float*, float*, float*, float*,
+                         const float*, const float*);
 
 template <typename KV, int kH>
 ChunkFn<KV> pick_rows(int64_t R) {
@@ -300,7 +329,8 @@ template <ffi::DataType KVType>
 ffi::Error Attend(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::S32>& qpos,
                   ffi::Buffer<KVType>& keys, ffi::Buffer<KVType>& values,
                   ffi::Buffer<ffi::S32>& kpos, ffi::Buffer<ffi::S32>& layer, float* o, float* om,
-                  float* ol, float* probs, int64_t window, float scale) {
+                  float* ol, float* probs, const float* k_scale, const float* v_scale,
+                  int64_t window, float scale) {
   using KV = ffi::NativeType<KVType>;
   auto qd = q.dimensions();     // [B, K, R, H]
   auto pd = qpos.dimensions();  // [B, T]
@@ -332,10 +362,12 @@ ffi::Error Attend(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::Buffer<f
   const KV* kbase = keys.typed_data() + s.layer * s.B * s.K * s.C * s.H;
   const KV* vbase = values.typed_data() + s.layer * s.B * s.K * s.C * s.H;
   const int32_t* kpbase = kpos.typed_data() + s.layer * s.B * s.K * s.C;
+  const float* ksbase = k_scale ? k_scale + s.layer * s.B * s.K * s.C : nullptr;
+  const float* vsbase = v_scale ? v_scale + s.layer * s.B * s.K * s.C : nullptr;
 
   const ChunkFn<KV> chunk_fn = pick<KV>(s);
   auto run = [s, work, n_items, n_chunks, per_item, qd_, pos, kbase, vbase, kpbase, chunk_fn,
-              probs]() {
+              probs, ksbase, vsbase]() {
     std::vector<int32_t> rowpos(s.R);
     for (;;) {
       const int64_t i = work->next.fetch_add(1);
@@ -346,7 +378,8 @@ ffi::Error Attend(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::Buffer<f
       float* part = work->partial.data() + i * per_item;
       chunk_fn(s, qd_ + bk * s.R * s.H, rowpos.data(), kbase + bk * s.C * s.H,
                vbase + bk * s.C * s.H, kpbase + bk * s.C, c0, c1, part, part + s.R,
-               part + 2 * s.R, probs == nullptr ? nullptr : probs + bk * s.R * s.C);
+               part + 2 * s.R, probs == nullptr ? nullptr : probs + bk * s.R * s.C,
+               ksbase ? ksbase + bk * s.C : nullptr, vsbase ? vsbase + bk * s.C : nullptr);
       work->done.fetch_add(1);
     }
   };
@@ -399,7 +432,8 @@ ffi::Error CacheAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
                           ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> out_m,
                           ffi::ResultBuffer<ffi::F32> out_l, int64_t window, float scale) {
   return Attend<KVType>(pool, q, qpos, keys, values, kpos, layer, out->typed_data(),
-                        out_m->typed_data(), out_l->typed_data(), nullptr, window, scale);
+                        out_m->typed_data(), out_l->typed_data(), nullptr, nullptr, nullptr,
+                        window, scale);
 }
 
 template <ffi::DataType KVType>
@@ -410,8 +444,34 @@ ffi::Error CacheAttentionProbs(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                                ffi::ResultBuffer<ffi::F32> out_m, ffi::ResultBuffer<ffi::F32> out_l,
                                ffi::ResultBuffer<ffi::F32> out_p, int64_t window, float scale) {
   return Attend<KVType>(pool, q, qpos, keys, values, kpos, layer, out->typed_data(),
-                        out_m->typed_data(), out_l->typed_data(), out_p->typed_data(), window,
-                        scale);
+                        out_m->typed_data(), out_l->typed_data(), out_p->typed_data(), nullptr,
+                        nullptr, window, scale);
+}
+
+// An int8 cache: its per-slot key and value scales [L, B, K, C] follow the positions.
+ffi::Error CacheAttentionInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                              ffi::Buffer<ffi::S32> qpos, ffi::Buffer<ffi::S8> keys,
+                              ffi::Buffer<ffi::S8> values, ffi::Buffer<ffi::S32> kpos,
+                              ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
+                              ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out,
+                              ffi::ResultBuffer<ffi::F32> out_m, ffi::ResultBuffer<ffi::F32> out_l,
+                              int64_t window, float scale) {
+  return Attend<ffi::S8>(pool, q, qpos, keys, values, kpos, layer, out->typed_data(),
+                         out_m->typed_data(), out_l->typed_data(), nullptr,
+                         k_scale.typed_data(), v_scale.typed_data(), window, scale);
+}
+
+ffi::Error CacheAttentionProbsInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                                   ffi::Buffer<ffi::S32> qpos, ffi::Buffer<ffi::S8> keys,
+                                   ffi::Buffer<ffi::S8> values, ffi::Buffer<ffi::S32> kpos,
+                                   ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
+                                   ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out,
+                                   ffi::ResultBuffer<ffi::F32> out_m,
+                                   ffi::ResultBuffer<ffi::F32> out_l,
+                                   ffi::ResultBuffer<ffi::F32> out_p, int64_t window, float scale) {
+  return Attend<ffi::S8>(pool, q, qpos, keys, values, kpos, layer, out->typed_data(),
+                         out_m->typed_data(), out_l->typed_data(), out_p->typed_data(),
+                         k_scale.typed_data(), v_scale.typed_data(), window, scale);
 }
 
 }  // namespace
@@ -443,5 +503,27 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvCacheAttentionProbsF32, CacheAttentionProbs<f
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvCacheAttentionProbsF16, CacheAttentionProbs<ffi::F16>,
                               JAXKV_BIND(ffi::F16)
                                   .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("window")
+                                  .Attr<float>("scale"));
+
+#define JAXKV_BIND_INT8                  \
+  ffi::Ffi::Bind()                       \
+      .Ctx<ffi::ThreadPool>()            \
+      .Arg<ffi::Buffer<ffi::F32>>()      \
+      .Arg<ffi::Buffer<ffi::S32>>()      \
+      .Arg<ffi::Buffer<ffi::S8>>()       \
+      .Arg<ffi::Buffer<ffi::S8>>()       \
+      .Arg<ffi::Buffer<ffi::S32>>()      \
+      .Arg<ffi::Buffer<ffi::F32>>()      \
+      .Arg<ffi::Buffer<ffi::F32>>()      \
+      .Arg<ffi::Buffer<ffi::S32>>()      \
+      .Ret<ffi::Buffer<ffi::F32>>()      \
+      .Ret<ffi::Buffer<ffi::F32>>()      \
+      .Ret<ffi::Buffer<ffi::F32>>()
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvCacheAttentionS8, CacheAttentionInt8,
+                              JAXKV_BIND_INT8.Attr<int64_t>("window").Attr<float>("scale"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvCacheAttentionProbsS8, CacheAttentionProbsInt8,
+                              JAXKV_BIND_INT8.Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("window")
                                   .Attr<float>("scale"));
