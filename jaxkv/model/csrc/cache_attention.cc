@@ -80,6 +80,25 @@ struct Shape {
   float scale;
 };
 
+// A row's scores over n slots (kNegInf: not visible) become exp(score - top) in place (0 for
+// a hidden slot, all 0 when none is visible), copied to ``probs`` (unless null); returns
+// their sum.
+inline float exponentiate(float* __restrict sr, int64_t n, float top, float* __restrict probs) {
+  float sum = 0.0f;
+  if (top > kNegInf) {
+#pragma omp simd reduction(+ : sum)
+    for (int64_t c = 0; c < n; ++c) {
+      const float e = sr[c] > kNegInf ? exp_nonpositive(sr[c] - top) : 0.0f;
+      sr[c] = e;
+      sum += e;
+    }
+  } else {
+    std::fill(sr, sr + n, 0.0f);
+  }
+  if (probs != nullptr) std::memcpy(probs, sr, n * sizeof(float));
+  return sum;
+}
+
 // A cached row as float32: the stored row itself, or widened into ``buf``.
 inline const float* as_float(const float* row, int64_t, float*) { return row; }
 
@@ -127,20 +146,8 @@ void chunk_attention(const Shape& s, const float* __restrict q, const int32_t* _
     float top = kNegInf;
 #pragma omp simd reduction(max : top)
     for (int64_t c = 0; c < n; ++c) top = std::max(top, sr[c]);
-    float sum = 0.0f;
-    if (top > kNegInf) {
-#pragma omp simd reduction(+ : sum)
-      for (int64_t c = 0; c < n; ++c) {
-        const float e = sr[c] > kNegInf ? exp_nonpositive(sr[c] - top) : 0.0f;
-        sr[c] = e;
-        sum += e;
-      }
-    } else {
-      std::fill(sr, sr + n, 0.0f);
-    }
     m[r] = top;
-    l[r] = sum;
-    if (probs != nullptr) std::memcpy(probs + r * s.C + c0, sr, n * sizeof(float));
+    l[r] = exponentiate(sr, n, top, probs == nullptr ? nullptr : probs + r * s.C + c0);
   }
   std::fill(acc, acc + R * H, 0.0f);
   for (int64_t c = 0; c < n; ++c) {
@@ -268,20 +275,8 @@ void chunk_fixed(const Shape& s, const float* __restrict q, const int32_t* __res
       sr[c] = ok ? sr[c] * s.scale * (ks ? ks[c0 + c] : 1.0f) : kNegInf;
       top = std::max(top, sr[c]);
     }
-    float sum = 0.0f;
-    if (top > kNegInf) {
-#pragma omp simd reduction(+ : sum)
-      for (int64_t c = 0; c < n; ++c) {
-        const float e = sr[c] > kNegInf ? exp_nonpositive(sr[c] - top) : 0.0f;
-        sr[c] = e;
-        sum += e;
-      }
-    } else {
-      std::fill(sr, sr + n, 0.0f);
-    }
     m[r] = top;
-    l[r] = sum;
-    if (probs != nullptr) std::memcpy(probs + r * s.C + c0, sr, n * sizeof(float));
+    l[r] = exponentiate(sr, n, top, probs == nullptr ? nullptr : probs + r * s.C + c0);
   }
   v16 av[kR][kV] = {};
   for (int64_t c = 0; c < n; ++c) {
