@@ -15,7 +15,10 @@ Where a decode step's time goes, op by op, is in results/profile_decode.md
 (scripts/profile_decode.py): each layer's slices of the stacked weights and values are still
 copied once per step (XLA's CPU dots need contiguous operands), the keys are not, nor the
 weights at batch 1 when they are stored output channels first
-(``weights_int8.transpose_params``, and int8 weights).
+(``weights_int8.transpose_params``, and int8 weights). With ``config.attention == "kernel"``
+new tokens attend over the cache through ``jaxkv.model.cache_kernel``, a compiled CPU kernel
+that reads the stacked cache in place, each key and value once (results/profile_decode.md,
+"Session 43").
 """
 
 from __future__ import annotations
