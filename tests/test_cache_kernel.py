@@ -4,6 +4,7 @@ attention: the same logits up to float32 summation order, r = 1 still bit-identi
 full cache, statistics from the kernel's probabilities, int8 caches' scales folded as XLA
 folds them."""
 
+import ctypes
 import shutil
 
 import jax
@@ -198,6 +199,17 @@ def test_an_unavailable_kernel_is_a_clear_error(monkeypatch):
     cache = kvcache.init_cache(CFG, batch_size=1, capacity=8)
     with pytest.raises(RuntimeError, match=r"no C\+\+ compiler.*attention=.xla."):
         decoder.decode_step(PARAMS, jnp.zeros((1,), jnp.int32), cache, config=KCFG)
+
+
+def test_the_shipped_source_builds_on_a_fresh_machine(tmp_path):
+    """What a first use does where no build is cached: compile the shipped source, then load
+    every FFI symbol the module registers."""
+    out = tmp_path / "kernel.so"
+    cache_kernel._compile(cache_kernel.SOURCE, out)
+    lib = ctypes.cdll.LoadLibrary(str(out))
+    for symbol in cache_kernel._SYMBOLS.values():
+        assert getattr(lib, symbol)
+    assert [p.name for p in tmp_path.iterdir()] == ["kernel.so"]  # no temporary file left
 
 
 def test_a_failed_build_leaves_no_file(tmp_path, monkeypatch):
