@@ -14,6 +14,7 @@ from jaxkv.cli import suite
 from jaxkv.evals import fidelity, report, runner
 from jaxkv.eviction import Compression
 from jaxkv.generate import generate_tokens, teacher_forced
+from jaxkv.model import cache_kernel
 from jaxkv.policies import get_policy
 from jaxkv.policies.learned import init_mlp, learned_policy
 
@@ -277,6 +278,35 @@ def test_latency_end_to_end(tmp_path):
     assert rows[0]["feature_ms"] is None and rows[1]["policy_ms"] > 0
     assert all(r["attn_ms"] > 0 and r["tokens_per_s"] > 0 for r in rows)
     assert rows[1]["capacity"] < rows[0]["capacity"]
+
+
+def test_latency_through_the_attention_kernel(tmp_path, monkeypatch):
+    """``--attention kernel`` reaches the model (``config.attention``) and the result file."""
+    if not cache_kernel.available():
+        pytest.skip(f"no attention kernel here: {cache_kernel.unavailable_reason()}")
+    loaded, load = [], runner.load_eval_model
+
+    def spy(*args, **kwargs):
+        loaded.append(load(*args, **kwargs))
+        return loaded[-1]
+
+    monkeypatch.setattr(runner, "load_eval_model", spy)
+    args = ["latency", "--model", "tiny", "--context", "64", "--new-tokens", "4", "--repeats"]
+    args += ["1", "--ratios", "0.5", "--policies", "full,h2o", "--limit", "2"]
+    assert _run([*args, "--attention", "kernel"], tmp_path) == 0
+    doc = _load(tmp_path, "latency")
+    assert doc["config"]["attention"] == "kernel"
+    assert [r["policy"] for r in doc["results"]] == ["full", "h2o"]
+    assert [m.config.attention for m in loaded] == ["kernel"]
+
+
+def test_an_unavailable_kernel_fails_before_any_output(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(cache_kernel, "_load", lambda: (False, "no C++ compiler"))
+    out = tmp_path / "run"
+    args = ["fidelity", "--model", "tiny", "--attention", "kernel", "--out", str(out)]
+    assert eval_lib.main(args) == 2
+    assert "no C++ compiler" in capsys.readouterr().err
+    assert not out.exists()
 
 
 # ----------------------------------------------------------------------------------------------

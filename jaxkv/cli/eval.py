@@ -26,11 +26,10 @@ import time
 import jaxkv
 from jaxkv.cli import flags, suite
 from jaxkv.cli import kvlearn as kvlearn_cli
-from jaxkv.config import ATTENTION_IMPLEMENTATIONS
 from jaxkv.evals import runner
 from jaxkv.evals.fidelity import KV_DTYPES
 from jaxkv.eviction import GRANULARITIES, PROTOCOLS, Compression
-from jaxkv.model import cache_kernel, loading
+from jaxkv.model import loading
 from jaxkv.policies import needs_window, policy_names
 
 PROG = "python -m jaxkv.eval"
@@ -96,9 +95,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _generate_cmd(args: argparse.Namespace) -> int:
     compression = generate_compression(args)
-    if args.attention == "kernel" and not cache_kernel.available():  # before the model loads
-        why = cache_kernel.unavailable_reason()
-        raise ValueError(f"--attention kernel: the CPU kernel is unavailable: {why}")
+    flags.check_attention(args)  # before the model loads
     t0 = time.perf_counter()
     out_first = loading.out_first_for(args.weight_layout, batch_size=len(args.prompt))
     model = jaxkv.load(args.model, dtype=args.dtype, out_first=out_first, attention=args.attention)
@@ -138,14 +135,7 @@ def _generate_flags(parser: argparse.ArgumentParser) -> None:
         "decode step reads in place: about 1.6x faster on CPU), canonical, or auto (default: "
         "out-first for one prompt; int8 weights are out-first already)",
     )
-    parser.add_argument(
-        "--attention",
-        default="xla",
-        choices=ATTENTION_IMPLEMENTATIONS,
-        help="how decode steps attend over the cache: xla (default) or kernel, a C++ CPU "
-        "kernel built on first use with the machine's compiler, which reads each cached key "
-        "and value once (about 1.3x faster decode at 4K context on the 2-core CPU)",
-    )
+    flags.attention_flag(parser)
     parser.add_argument(
         "--prompt", action="append", required=True, help="prompt text (repeat for a batch)"
     )

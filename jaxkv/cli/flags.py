@@ -14,7 +14,8 @@ import argparse
 import math
 from collections.abc import Callable
 
-from jaxkv.model import loading
+from jaxkv.config import ATTENTION_IMPLEMENTATIONS
+from jaxkv.model import cache_kernel, loading
 
 SEED_LIMIT = 2**31
 """Seeds are integers in [0, SEED_LIMIT) (``jax.random.key`` takes them as int32)."""
@@ -86,6 +87,26 @@ def parse_seeds(text: str) -> list[int]:
 
 
 DEFAULT_DTYPE = "float32"
+
+
+def attention_flag(parser: argparse.ArgumentParser) -> None:
+    """``--attention``: ``config.attention`` (``jaxkv.config.ATTENTION_IMPLEMENTATIONS``)."""
+    parser.add_argument(
+        "--attention",
+        default="xla",
+        choices=ATTENTION_IMPLEMENTATIONS,
+        help="how decode steps attend over the cache: xla (default) or kernel, a C++ CPU "
+        "kernel built on first use with the machine's compiler, which reads each cached key "
+        "and value once (about 1.3x faster decode at 4K context on the 2-core CPU)",
+    )
+
+
+def check_attention(args: argparse.Namespace) -> None:
+    """``--attention kernel`` where the kernel cannot be built: a ValueError before any model
+    loads or output is written."""
+    if getattr(args, "attention", "xla") == "kernel" and not cache_kernel.available():
+        why = cache_kernel.unavailable_reason()
+        raise ValueError(f"--attention kernel: the CPU kernel is unavailable: {why}")
 
 
 def dtype_flag(parser: argparse.ArgumentParser) -> None:

@@ -122,6 +122,7 @@ def _common(parser: argparse.ArgumentParser, *, ratios: str, policies: str, limi
         "--model", default="smollm2-135m", help="smollm2-135m (embedded), a path, or 'tiny'"
     )
     flags.dtype_flag(parser)
+    flags.attention_flag(parser)
     parser.add_argument(
         "--policies",
         default=policies,
@@ -160,11 +161,12 @@ def _common(parser: argparse.ArgumentParser, *, ratios: str, policies: str, limi
 
 def _job(args: argparse.Namespace, command: str) -> runner.Job:
     """The shared flags, checked (the policies loaded): ratios, seeds, then policies, then
-    the policies ``command`` can run."""
+    the policies ``command`` can run, then ``--attention``."""
     ratios = runner.parse_ratios(args.ratios)
     seeds = flags.parse_seeds(args.seeds)
     groups = runner.parse_policies(args.policies)
     _check_families(groups, command)
+    flags.check_attention(args)
     selection = {n: getattr(args, n) for n in ("protocol", "granularity") if hasattr(args, n)}
     return runner.Job(
         model=args.model,
@@ -180,11 +182,13 @@ def _job(args: argparse.Namespace, command: str) -> runner.Job:
             "min_budget": args.min_budget,
             # recorded only when not the default, so default runs keep their files as before
             **({"dtype": args.dtype} if args.dtype != flags.DEFAULT_DTYPE else {}),
+            **({"attention": args.attention} if args.attention != "xla" else {}),
         },
         limit=args.limit,
         min_budget=args.min_budget,
         batch_size=args.batch,
         dtype=args.dtype,
+        attention=args.attention,
         **selection,
     )
 

@@ -180,7 +180,7 @@ def evaluate(
         raise ValueError(f"{NAME} needs at least one evicting policy (not only 'full')")
     fidelity.check_selection(job)
     found = examples(task, data=data, limit=job.limit)
-    model = runner.load_eval_model(job.model, dtype=job.dtype)
+    model = runner.load_eval_model(job.model, dtype=job.dtype, attention=job.attention)
     store = report.ResultStore(
         job.out,
         NAME,

@@ -508,7 +508,7 @@ def _evaluate(
     total: int | None = None,
 ) -> report.ResultStore:
     """Loads the model and runs ``examples(model)``; every argument is checked by now."""
-    model = runner.load_eval_model(job.model, dtype=job.dtype)
+    model = runner.load_eval_model(job.model, dtype=job.dtype, attention=job.attention)
     store = report.ResultStore(
         job.out,
         name,

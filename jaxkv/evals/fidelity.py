@@ -560,7 +560,7 @@ def evaluate(
         window=window, n_windows=job.limit, heldout_fraction=heldout, text=body, offset=offset
     )
     tasks.check_text_windows(text, **cut)
-    model = runner.load_eval_model(job.model, dtype=job.dtype)
+    model = runner.load_eval_model(job.model, dtype=job.dtype, attention=job.attention)
     runner.check_fits(model, window, what="--window")
     windows = tasks.text_windows(text, tokenizer=model.tokenizer, **cut)
     store = report.ResultStore(

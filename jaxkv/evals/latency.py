@@ -285,7 +285,7 @@ def evaluate(job: Job, *, context: int, new_tokens: int, repeats: int) -> report
             new tokens longer than the model's context.
     """
     tasks.check_text_windows(window=context, n_windows=job.batch_size)
-    model = runner.load_eval_model(job.model, dtype=job.dtype)
+    model = runner.load_eval_model(job.model, dtype=job.dtype, attention=job.attention)
     runner.check_fits(model, context + new_tokens, what="--context + --new-tokens")
     prompt = tasks.text_windows(window=context, n_windows=job.batch_size, tokenizer=model.tokenizer)
     store = report.ResultStore(

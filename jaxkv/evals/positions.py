@@ -174,7 +174,7 @@ def evaluate(
         raise ValueError(f"{NAME} needs at least one evicting policy (not only 'full')")
     check_prompt_len(window=window, prompt_len=prompt_len)
     tasks.check_text_windows(text, window=window, n_windows=job.limit)
-    model = runner.load_eval_model(job.model, dtype=job.dtype)
+    model = runner.load_eval_model(job.model, dtype=job.dtype, attention=job.attention)
     runner.check_fits(model, window, what="--window")
     windows = tasks.text_windows(
         text, window=window, n_windows=job.limit, tokenizer=model.tokenizer

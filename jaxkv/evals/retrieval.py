@@ -149,7 +149,7 @@ def evaluate(
         raise ValueError(f"--lengths must be >= {MIN_LENGTH} tokens, got {list(lengths)}")
     pooling = fidelity.pooling_options(job, head_floor=head_floor, head_cap=head_cap)
     fidelity.check_selection(job, fidelity.FidelitySettings(**pooling))
-    model = runner.load_eval_model(job.model, dtype=job.dtype)
+    model = runner.load_eval_model(job.model, dtype=job.dtype, attention=job.attention)
     for n_tokens in lengths:
         need = n_tokens + 64 + tasks.RETRIEVAL_MAX_NEW_TOKENS
         runner.check_fits(model, need, what="--lengths")

@@ -107,20 +107,23 @@ class EvalModel:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
 
-def load_eval_model(name: str, *, seed: int = 0, dtype: str = "float32") -> EvalModel:
+def load_eval_model(
+    name: str, *, seed: int = 0, dtype: str = "float32", attention: str = "xla"
+) -> EvalModel:
     """Loads ``name``: ``"tiny"`` (random weights, byte tokenizer) or a ``load_model`` source.
 
     Args:
         name: ``"tiny"``, ``"smollm2-135m"`` (embedded), a ``.gguf`` file or a HF directory.
         seed: initialization seed of the tiny model.
         dtype: the weights' dtype (``load_model``'s; ``"int8"``: weight-only int8).
+        attention: ``config.attention`` (``load_model``'s).
 
     Raises:
         ValueError / FileNotFoundError: from ``load_model`` (unknown model, missing files), or a
             checkpoint without a tokenizer.
     """
     if name == TINY:
-        config = ModelConfig.tiny(max_seq_len=TINY_CONTEXT)
+        config = ModelConfig.tiny(max_seq_len=TINY_CONTEXT, attention=attention)
         params = init_params(config, key=jax.random.key(seed), scale=0.2)
         if dtype == INT8:
             params = weights_int8.quantize_params(params)
@@ -128,7 +131,7 @@ def load_eval_model(name: str, *, seed: int = 0, dtype: str = "float32") -> Eval
             raise ValueError(f"the tiny model is float32 (or int8), not {dtype!r}")
         tok = ByteTokenizer()
         return EvalModel(name, config, params, tok, (tok.eos_token_id,), tok.pad_token_id)
-    loaded = load_model(name, dtype=dtype)
+    loaded = load_model(name, dtype=dtype, attention=attention)
     if loaded.tokenizer is None:
         raise ValueError(f"{name}: the checkpoint has no tokenizer; the suite needs one")
     stops = stop_token_ids(loaded.tokenizer)
@@ -197,6 +200,7 @@ class Job:
         protocol: ``decode`` or ``prefill`` (``jaxkv.eviction.PROTOCOLS``).
         granularity: the selection granularity (``jaxkv.eviction.GRANULARITIES``).
         dtype: the weights' dtype (``load_eval_model``).
+        attention: ``config.attention`` (``load_eval_model``).
     """
 
     model: str
@@ -211,6 +215,7 @@ class Job:
     protocol: str = "decode"
     granularity: str = "shared"
     dtype: str = "float32"
+    attention: str = "xla"
 
 
 def parse_list(text: str, *, kind: type, what: str) -> list:
