@@ -162,65 +162,90 @@ void chunk_attention(const Shape& s, const float* __restrict q, const int32_t* _
   }
 }
 
-// The same with the row count and head size known at compile time, on 16-lane vectors (GCC
-// vector extensions; split into narrower registers where the CPU has none this wide): the
-// R rows' accumulators stay in registers, and the dot products of 4 slots are reduced
-// together (a transposing sum) instead of one horizontal sum each.
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t i16 __attribute__((vector_size(64)));
+// The same with the row count and head size known at compile time, on the CPU's widest
+// float vectors (GCC vector extensions: 16 lanes with AVX-512, else 8): the dot products of 4
+// slots are reduced together (a transposing sum) instead of one horizontal sum each. With
+// AVX-512's 32 registers the R rows' queries and outputs (R * H / 16 vectors each) stay in
+// registers; with AVX2's 16 they would spill, so there the queries are read from L1 for every
+// slot and the outputs are accumulated one vector of the head at a time.
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+constexpr bool kWideRegisters = true;
+#else
+constexpr int kLanes = 8;
+constexpr bool kWideRegisters = false;
+#endif
+typedef float vf __attribute__((vector_size(4 * kLanes)));
 
-inline v16 load16(const float* p) {
-  v16 v;
+inline vf loadv(const float* p) {
+  vf v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
 
-inline v16 load16(const uint16_t* p) {  // float16 storage, widened by the CPU's F16C
-  v16 v;
+inline vf loadv(const uint16_t* p) {  // float16 storage, widened by the CPU's F16C
+  vf v;
 #if defined(__AVX512F__)
   const __m512 w = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   std::memcpy(&v, &w, sizeof(v));
 #elif defined(__F16C__)
-  const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
-  std::memcpy(&v, &lo, sizeof(lo));
-  std::memcpy(reinterpret_cast<char*>(&v) + sizeof(lo), &hi, sizeof(hi));
+  const __m256 w = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  std::memcpy(&v, &w, sizeof(v));
 #else
-  for (int u = 0; u < 16; ++u) v[u] = widen(p[u]);
+  for (int u = 0; u < kLanes; ++u) v[u] = widen(p[u]);
 #endif
   return v;
 }
 
-inline v16 load16(const int8_t* p) {  // int8 storage, widened
-  v16 v;
+inline vf loadv(const int8_t* p) {  // int8 storage, widened
+  vf v;
 #if defined(__AVX512F__)
-  const __m512 w =
-      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  const __m512 w = _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  std::memcpy(&v, &w, sizeof(v));
+#elif defined(__AVX2__)
+  const __m256 w = _mm256_cvtepi32_ps(
+      _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   std::memcpy(&v, &w, sizeof(v));
 #else
-  for (int u = 0; u < 16; ++u) v[u] = static_cast<float>(p[u]);
+  for (int u = 0; u < kLanes; ++u) v[u] = static_cast<float>(p[u]);
 #endif
   return v;
 }
 
 // The four sums of a, b, c, d (lanes 0-3 of the result hold them; the rest is junk).
-inline v16 sum4(v16 a, v16 b, v16 c, v16 d) {
-  v16 ab = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-           __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
-                                   30, 31);
-  v16 cd = __builtin_shufflevector(c, d, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-           __builtin_shufflevector(c, d, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
-                                   30, 31);
+#if defined(__AVX512F__)
+inline vf sum4(vf a, vf b, vf c, vf d) {
+  vf ab = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+          __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
+                                  30, 31);
+  vf cd = __builtin_shufflevector(c, d, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+          __builtin_shufflevector(c, d, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
+                                  30, 31);
   // lanes: a 0-7, b 8-15 | c 0-7, d 8-15 -> a 0-3, b 4-7, c 8-11, d 12-15
-  v16 x = __builtin_shufflevector(ab, cd, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26,
-                                  27) +
-          __builtin_shufflevector(ab, cd, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30,
-                                  31);
-  v16 y = __builtin_shufflevector(x, x, 0, 1, 4, 5, 8, 9, 12, 13, 0, 1, 4, 5, 8, 9, 12, 13) +
-          __builtin_shufflevector(x, x, 2, 3, 6, 7, 10, 11, 14, 15, 2, 3, 6, 7, 10, 11, 14, 15);
+  vf x = __builtin_shufflevector(ab, cd, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26,
+                                 27) +
+         __builtin_shufflevector(ab, cd, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30,
+                                 31);
+  vf y = __builtin_shufflevector(x, x, 0, 1, 4, 5, 8, 9, 12, 13, 0, 1, 4, 5, 8, 9, 12, 13) +
+         __builtin_shufflevector(x, x, 2, 3, 6, 7, 10, 11, 14, 15, 2, 3, 6, 7, 10, 11, 14, 15);
   return __builtin_shufflevector(y, y, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6) +
          __builtin_shufflevector(y, y, 1, 3, 5, 7, 1, 3, 5, 7, 1, 3, 5, 7, 1, 3, 5, 7);
 }
+#else
+inline vf sum4(vf a, vf b, vf c, vf d) {
+  // halves added: a 0-3, b 4-7 | c 0-3, d 4-7
+  vf ab = __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11) +
+          __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15);
+  vf cd = __builtin_shufflevector(c, d, 0, 1, 2, 3, 8, 9, 10, 11) +
+          __builtin_shufflevector(c, d, 4, 5, 6, 7, 12, 13, 14, 15);
+  // -> a 0-1, b 2-3, c 4-5, d 6-7
+  vf x = __builtin_shufflevector(ab, cd, 0, 1, 4, 5, 8, 9, 12, 13) +
+         __builtin_shufflevector(ab, cd, 2, 3, 6, 7, 10, 11, 14, 15);
+  return __builtin_shufflevector(x, x, 0, 2, 4, 6, 0, 2, 4, 6) +
+         __builtin_shufflevector(x, x, 1, 3, 5, 7, 1, 3, 5, 7);
+}
+#endif
 
 template <typename KV, int kR, int kH>
 void chunk_fixed(const Shape& s, const float* __restrict q, const int32_t* __restrict qpos,
@@ -228,13 +253,19 @@ void chunk_fixed(const Shape& s, const float* __restrict q, const int32_t* __res
                  const int32_t* __restrict kpos, int64_t c0, int64_t c1, float* __restrict m,
                  float* __restrict l, float* __restrict acc, float* __restrict probs,
                      const float* __restrict ks, const float* __restrict vs) {
-  constexpr int kV = kH / 16;
+  constexpr int kV = kH / kLanes;
   const int64_t n = c1 - c0;
   std::vector<float> score_buf(kR * n);
   float* __restrict scores = score_buf.data();
-  v16 qv[kR][kV];
-  for (int r = 0; r < kR; ++r)
-    for (int j = 0; j < kV; ++j) qv[r][j] = load16(q + r * kH + 16 * j);
+  vf qv[kWideRegisters ? kR : 1][kWideRegisters ? kV : 1];
+  if constexpr (kWideRegisters) {
+    for (int r = 0; r < kR; ++r)
+      for (int j = 0; j < kV; ++j) qv[r][j] = loadv(q + r * kH + kLanes * j);
+  }
+  auto query = [&](int r, int j) {
+    if constexpr (kWideRegisters) return qv[r][j];
+    return loadv(q + r * kH + kLanes * j);
+  };
   int64_t c = 0;
   for (; c + 4 <= n; c += 4) {
     const KV* k0 = keys + (c0 + c) * kH;
@@ -242,25 +273,27 @@ void chunk_fixed(const Shape& s, const float* __restrict q, const int32_t* __res
     const KV* k2 = k1 + kH;
     const KV* k3 = k2 + kH;
     for (int r = 0; r < kR; ++r) {
-      v16 a = qv[r][0] * load16(k0), b = qv[r][0] * load16(k1);
-      v16 cc = qv[r][0] * load16(k2), d = qv[r][0] * load16(k3);
+      vf q0 = query(r, 0);
+      vf a = q0 * loadv(k0), b = q0 * loadv(k1);
+      vf cc = q0 * loadv(k2), d = q0 * loadv(k3);
       for (int j = 1; j < kV; ++j) {
-        a += qv[r][j] * load16(k0 + 16 * j);
-        b += qv[r][j] * load16(k1 + 16 * j);
-        cc += qv[r][j] * load16(k2 + 16 * j);
-        d += qv[r][j] * load16(k3 + 16 * j);
+        const vf qj = query(r, j);
+        a += qj * loadv(k0 + kLanes * j);
+        b += qj * loadv(k1 + kLanes * j);
+        cc += qj * loadv(k2 + kLanes * j);
+        d += qj * loadv(k3 + kLanes * j);
       }
-      v16 t = sum4(a, b, cc, d);
+      vf t = sum4(a, b, cc, d);
       for (int u = 0; u < 4; ++u) scores[r * n + c + u] = t[u];
     }
   }
   for (; c < n; ++c) {
     const KV* kc = keys + (c0 + c) * kH;
     for (int r = 0; r < kR; ++r) {
-      v16 a = qv[r][0] * load16(kc);
-      for (int j = 1; j < kV; ++j) a += qv[r][j] * load16(kc + 16 * j);
+      vf a = query(r, 0) * loadv(kc);
+      for (int j = 1; j < kV; ++j) a += query(r, j) * loadv(kc + kLanes * j);
       float dot = 0.0f;
-      for (int u = 0; u < 16; ++u) dot += a[u];
+      for (int u = 0; u < kLanes; ++u) dot += a[u];
       scores[r * n + c] = dot;
     }
   }
@@ -278,19 +311,34 @@ void chunk_fixed(const Shape& s, const float* __restrict q, const int32_t* __res
     m[r] = top;
     l[r] = exponentiate(sr, n, top, probs == nullptr ? nullptr : probs + r * s.C + c0);
   }
-  v16 av[kR][kV] = {};
-  for (int64_t c = 0; c < n; ++c) {
-    const KV* vc = values + (c0 + c) * kH;
-    v16 vv[kV];
-    for (int j = 0; j < kV; ++j) vv[j] = load16(vc + 16 * j);
-    const float v_scale = vs ? vs[c0 + c] : 1.0f;
-    for (int r = 0; r < kR; ++r) {
-      const float p = scores[r * n + c] * v_scale;
-      for (int j = 0; j < kV; ++j) av[r][j] += p * vv[j];
+  if constexpr (kWideRegisters) {
+    vf av[kR][kV] = {};
+    for (int64_t c = 0; c < n; ++c) {
+      const KV* vc = values + (c0 + c) * kH;
+      vf vv[kV];
+      for (int j = 0; j < kV; ++j) vv[j] = loadv(vc + kLanes * j);
+      const float v_scale = vs ? vs[c0 + c] : 1.0f;
+      for (int r = 0; r < kR; ++r) {
+        const float p = scores[r * n + c] * v_scale;
+        for (int j = 0; j < kV; ++j) av[r][j] += p * vv[j];
+      }
+    }
+    for (int r = 0; r < kR; ++r)
+      for (int j = 0; j < kV; ++j) std::memcpy(acc + r * kH + kLanes * j, &av[r][j], sizeof(vf));
+  } else {
+    if (vs) {  // an int8 cache: the value scales folded into the probabilities' weights
+      for (int r = 0; r < kR; ++r)
+        for (int64_t c = 0; c < n; ++c) scores[r * n + c] *= vs[c0 + c];
+    }
+    for (int j = 0; j < kV; ++j) {
+      vf av[kR] = {};
+      for (int64_t c = 0; c < n; ++c) {
+        const vf vv = loadv(values + (c0 + c) * kH + kLanes * j);
+        for (int r = 0; r < kR; ++r) av[r] += scores[r * n + c] * vv;
+      }
+      for (int r = 0; r < kR; ++r) std::memcpy(acc + r * kH + kLanes * j, &av[r], sizeof(vf));
     }
   }
-  for (int r = 0; r < kR; ++r)
-    for (int j = 0; j < kV; ++j) std::memcpy(acc + r * kH + 16 * j, &av[r][j], sizeof(v16));
 }
 
 template <typename KV>
