@@ -39,6 +39,11 @@ ATTENTION_IMPLEMENTATIONS = ("xla", "kernel")
 (``jaxkv.model.cache_kernel``, a compiled CPU kernel that reads each cached key and value
 once, float32, float16 or int8, and returns the slots' probabilities when the cache's
 statistics need them)."""
+MATMUL_IMPLEMENTATIONS = ("xla", "kernel")
+"""How a decode step with 2-16 rows (a batch) multiplies by the layers' weights: ``xla``, or
+``kernel`` (``jaxkv.model.cache_kernel.stacked_matmul``, a compiled CPU kernel that reads
+each layer's out-first float32 or int8 weights in place, where XLA copies the layer's slice
+first). One row and prefill always use XLA."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +52,8 @@ class ModelConfig:
 
     ``sliding_window`` is ``None`` for full attention; otherwise a query at
     position p sees keys at positions ``p - sliding_window < q <= p`` (HF Mistral).
-    ``attention`` is one of ``ATTENTION_IMPLEMENTATIONS``.
+    ``attention`` is one of ``ATTENTION_IMPLEMENTATIONS``, ``matmul`` one of
+    ``MATMUL_IMPLEMENTATIONS``.
     """
 
     name: str
@@ -65,6 +71,7 @@ class ModelConfig:
     max_seq_len: int = 32768
     dtype: str = "float32"
     attention: str = "xla"
+    matmul: str = "xla"
 
     def __post_init__(self):
         positive = (
@@ -90,6 +97,10 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig {self.name!r}: attention {self.attention!r} not in "
                 f"{ATTENTION_IMPLEMENTATIONS}"
+            )
+        if self.matmul not in MATMUL_IMPLEMENTATIONS:
+            raise ValueError(
+                f"ModelConfig {self.name!r}: matmul {self.matmul!r} not in {MATMUL_IMPLEMENTATIONS}"
             )
         if self.dtype not in _DTYPES:
             raise ValueError(

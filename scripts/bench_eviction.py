@@ -55,7 +55,7 @@ import jax.numpy as jnp
 
 import jaxkv
 from jaxkv import eviction, kvcache
-from jaxkv.config import ATTENTION_IMPLEMENTATIONS
+from jaxkv.config import ATTENTION_IMPLEMENTATIONS, MATMUL_IMPLEMENTATIONS
 from jaxkv.evals import latency
 from jaxkv.eviction import Compression
 from jaxkv.generate import GREEDY, sample
@@ -146,11 +146,18 @@ def main():
         choices=ATTENTION_IMPLEMENTATIONS,
         help="config.attention of every variant (kernel: jaxkv.model.cache_kernel)",
     )
+    ap.add_argument(
+        "--matmul",
+        default="xla",
+        choices=MATMUL_IMPLEMENTATIONS,
+        help="config.matmul of every variant (kernel: cache_kernel.stacked_matmul, with the "
+        "weights stored out-first)",
+    )
     ap.add_argument("--out", default=str(RESULTS / "bench_eviction"), help="path without suffix")
     args = ap.parse_args()
     if not set(args.granularities) <= set(eviction.GRANULARITIES):
         ap.error(f"--granularities: choose from {eviction.GRANULARITIES}")
-    model = jaxkv.load("smollm2-135m", attention=args.attention)
+    model = jaxkv.load("smollm2-135m", attention=args.attention, matmul=args.matmul)
     cfg, params = model.config, model.params
     n_max = args.context + args.steps
     tok = jnp.zeros((args.batch,), jnp.int32)
@@ -255,7 +262,7 @@ def summarize(rows, full_bytes, small_bytes, args, policy_stats, load, paired):
     lines = [
         f"# Eviction benchmark (SmolLM2-135M, batch {args.batch}, context {args.context}, "
         f"r = {args.ratio}, policy {args.policy}, evict every {args.evict_every} step(s), "
-        f"compressed KV {args.kv_dtype}, attention {args.attention}, "
+        f"compressed KV {args.kv_dtype}, attention {args.attention}, matmul {args.matmul}, "
         f"median of {args.steps} interleaved calls)",
         "",
         f"Load average (1 min) {load[0]:.1f} before the timed calls, {load[1]:.1f} after, on"

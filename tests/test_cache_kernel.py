@@ -202,10 +202,10 @@ def test_an_unavailable_kernel_is_a_clear_error(monkeypatch):
 
 
 def test_the_shipped_source_builds_on_a_fresh_machine(tmp_path):
-    """What a first use does where no build is cached: compile the shipped source, then load
+    """What a first use does where no build is cached: compile the shipped sources, then load
     every FFI symbol the module registers."""
     out = tmp_path / "kernel.so"
-    cache_kernel._compile(cache_kernel.SOURCE, out)
+    cache_kernel._compile(cache_kernel.SOURCES, out)
     lib = ctypes.cdll.LoadLibrary(str(out))
     for symbol in cache_kernel._SYMBOLS.values():
         assert getattr(lib, symbol)
@@ -216,7 +216,7 @@ def test_a_failed_build_leaves_no_file(tmp_path, monkeypatch):
     monkeypatch.setenv("CXX", "false")  # a compiler that always fails
     out = tmp_path / "kernel.so"
     with pytest.raises(RuntimeError, match="failed"):
-        cache_kernel._compile(cache_kernel.SOURCE, out)
+        cache_kernel._compile(cache_kernel.SOURCES, out)
     assert list(tmp_path.iterdir()) == []
 
 

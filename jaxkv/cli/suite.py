@@ -12,7 +12,7 @@ embedded model (4 held-out tinyshakespeare windows of 352 tokens: a 256-token pr
 teacher-forced tokens; one seed), printing the table. Measured on the shared 2-core CPU under
 load (~3-6) from a cold start (process start, model load, ``JAXKV_NO_COMPILE_CACHE=1``, run):
 4.6 min wall, 2.5 min of CPU (the former default, 7 heuristics at 3 ratios, took 8.9).
-Compiled programs are cached on disk (``jaxkv.model.loading.cache_dir()/xla``;
+Compiled programs are cached on disk (``jaxkv.paths.cache_dir()/xla``;
 ``JAXKV_NO_COMPILE_CACHE=1`` turns that off), so later runs skip ~25-50 s of compilation per
 ratio. ``--policies`` with every heuristic and more ratios reproduces the paper's Fig. 1 (see
 README).
@@ -70,7 +70,7 @@ from jaxkv.evals import (
     retrieval,
     runner,
 )
-from jaxkv.model.loading import cache_dir
+from jaxkv.paths import cache_dir
 from jaxkv.policies import kvzip, needs_window
 
 HEURISTICS = "random,streaming_llm,h2o,snapkv,tova,keydiff,knorm"

@@ -1,4 +1,6 @@
-"""A compiled CPU kernel for decode-time attention over one layer of the stacked KV cache.
+"""Compiled CPU kernels for decode steps: attention over one layer of the stacked KV cache
+(``cache_attention``) and few-row matmuls with one layer of the stacked weights
+(``stacked_matmul``), each reading the stacked arrays in place.
 
 XLA:CPU reads the cache at about half the machine's memory bandwidth in a decode step: the
 score dots of the G query heads of a KV head each read that head's keys (G passes), and the
@@ -6,15 +8,18 @@ value dot copies each layer's values out of the stacked cache before reading the
 (results/profile_decode.md). ``csrc/cache_attention.cc`` (an XLA FFI target) reads every
 cached key and value once, for all the query rows of its KV head, straight out of the stacked
 ``[L, B, K, C, H]`` arrays, with the layer index as an operand (so nothing is sliced or
-copied), on XLA's intra-op threads.
+copied), on XLA's intra-op threads. ``csrc/stacked_matmul.cc`` does the same for the weights
+of a decode step with 2-16 rows (a batch of sequences), where XLA:CPU copies each layer's
+slice of the stacked weights out before its dot (``jaxkv.model.weights_int8.LayerWeight``).
 
-The kernel is built on first use (about 5 s) with the machine's C++ compiler (``$CXX``, else
-``c++``), for the machine's own CPU, into ``jaxkv.model.loading.cache_dir()/kernels``
-(``~/.cache/jaxkv`` unless ``$JAXKV_CACHE_DIR`` says otherwise), keyed by the source, jaxlib's
-version and the CPU's flags; a build is written to a temporary file and renamed, so an
-interrupted build leaves nothing half-written. Without a compiler, or off CPU, ``available()``
-is False (``unavailable_reason()`` says why) and ``config.attention="kernel"`` is an error; the
-default, ``"xla"``, never needs the kernel.
+The kernels are built (one library) on first use (about 10 s) with the machine's C++
+compiler (``$CXX``, else ``c++``), for the machine's own CPU, into
+``jaxkv.paths.cache_dir()/kernels`` (``~/.cache/jaxkv`` unless ``$JAXKV_CACHE_DIR`` says
+otherwise), keyed by the sources, jaxlib's version and the CPU's flags; a build is written to
+a temporary file and renamed, so an interrupted build leaves nothing half-written. Without a
+compiler, or off CPU, ``available()`` is False (``unavailable_reason()`` says why) and
+``config.attention="kernel"`` or ``config.matmul="kernel"`` is an error; the defaults,
+``"xla"``, never need the kernels.
 """
 
 from __future__ import annotations
@@ -34,15 +39,18 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 
-from jaxkv.model import loading
+from jaxkv.paths import cache_dir
 
-SOURCE = Path(__file__).parent / "csrc" / "cache_attention.cc"
+SOURCES = tuple(sorted((Path(__file__).parent / "csrc").glob("*.cc")))
 _SUFFIX = {jnp.dtype(jnp.float32): "f32", jnp.dtype(jnp.float16): "f16", jnp.dtype(jnp.int8): "s8"}
-_SYMBOLS = {  # FFI target: the library's symbol
-    f"jaxkv_cache_attention{probs}_{t}": f"JaxkvCacheAttention{probs.title()[1:]}{t.upper()}"
-    for t in _SUFFIX.values()
-    for probs in ("", "_probs")
-}
+_SYMBOLS = (
+    {  # FFI target: the library's symbol
+        f"jaxkv_cache_attention{probs}_{t}": f"JaxkvCacheAttention{probs.title()[1:]}{t.upper()}"
+        for t in _SUFFIX.values()
+        for probs in ("", "_probs")
+    }
+    | {f"jaxkv_stacked_matmul_{t}": f"JaxkvStackedMatmul{t.upper()}" for t in ("f32", "s8")}
+)
 DTYPES = tuple(_SUFFIX)
 """Cache storage dtypes the kernel reads (others keep the XLA attention)."""
 
@@ -57,18 +65,18 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _build_key(source: bytes) -> str:
-    h = hashlib.sha256(source)
+def _build_key(sources: bytes) -> str:
+    h = hashlib.sha256(sources)
     h.update(jaxlib.__version__.encode())
     h.update(_cpu_flags().encode())
     return h.hexdigest()[:16]
 
 
 def _kernel_dir() -> Path:
-    return loading.cache_dir() / "kernels"
+    return cache_dir() / "kernels"
 
 
-def _compile(source: Path, out: Path) -> None:
+def _compile(sources: tuple[Path, ...], out: Path) -> None:
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if cxx is None:
         raise RuntimeError("no C++ compiler ($CXX, c++ or g++) on PATH")
@@ -86,7 +94,7 @@ def _compile(source: Path, out: Path) -> None:
         "-w",
         "-I",
         jax.ffi.include_dir(),
-        str(source),
+        *map(str, sources),
         "-o",
         tmp,
     ]
@@ -102,14 +110,14 @@ def _compile(source: Path, out: Path) -> None:
 
 @functools.cache
 def _load() -> tuple[bool, str]:
-    """Builds (once per machine) and registers the kernel: (available, why not)."""
+    """Builds (once per machine) and registers the kernels: (available, why not)."""
     if jax.default_backend() != "cpu":
         return False, f"the kernel is for the CPU backend, not {jax.default_backend()}"
-    source = SOURCE.read_bytes()
-    lib_path = _kernel_dir() / f"cache_attention_{_build_key(source)}.so"
+    key = _build_key(b"".join(p.name.encode() + p.read_bytes() for p in SOURCES))
+    lib_path = _kernel_dir() / f"kernels_{key}.so"
     try:
         if not lib_path.exists():
-            _compile(SOURCE, lib_path)
+            _compile(SOURCES, lib_path)
         lib = ctypes.cdll.LoadLibrary(str(lib_path))
         for target, symbol in _SYMBOLS.items():
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), "cpu")
@@ -119,7 +127,7 @@ def _load() -> tuple[bool, str]:
 
 
 def available() -> bool:
-    """Whether the compiled kernel can run here (builds it on first call)."""
+    """Whether the compiled kernels can run here (builds them on first call)."""
     return _load()[0]
 
 
@@ -197,3 +205,36 @@ def cache_attention(
     )
     out = (o.reshape(B, K, G, T, H), top.reshape(B, K, G, T), total.reshape(B, K, G, T))
     return (*out, p[0].reshape(B, K, G, T, C)) if probabilities else out
+
+
+MATMUL_ROWS = (2, 16)
+"""Rows of ``x`` (sequences x new tokens) for which a decode step's weights go through
+``stacked_matmul``: one row is XLA's fused in-place loop (``weights_int8._matmul_t``), as fast
+or faster; many rows (prefill) are XLA's blocked matmuls."""
+
+
+def stacked_matmul(x_TI, values_LOI, layer, scales_LO1=None):
+    """``x @ w[layer].T`` (float32 [T, O]) for a stacked weight ``w`` stored output channels
+    first, read in place (nothing sliced or copied).
+
+    Args:
+        x_TI: the rows (float32).
+        values_LOI: float32 weights, or int8 values whose ``scales_LO1`` (float32, one per
+            layer and output channel) multiply their outputs.
+        layer: the layer index (a traced int32 scalar inside the layer scan).
+    """
+    ok, why = _load()
+    if not ok:
+        raise RuntimeError(f"the stacked matmul kernel is unavailable: {why}")
+    if (scales_LO1 is None) != (values_LOI.dtype != jnp.int8):
+        raise ValueError("int8 weights need their scales, and only int8 weights have them")
+    if values_LOI.dtype not in (jnp.int8, jnp.float32):
+        raise ValueError(f"stacked_matmul reads float32 or int8 weights, not {values_LOI.dtype}")
+    shape = (x_TI.shape[0], values_LOI.shape[1])
+    target = f"jaxkv_stacked_matmul_{'s8' if scales_LO1 is not None else 'f32'}"
+    out = jax.ShapeDtypeStruct(shape, jnp.float32)
+    call = jax.ffi.ffi_call(target, out, vmap_method="sequential")
+    scales = () if scales_LO1 is None else (scales_LO1.astype(jnp.float32),)
+    return call(
+        x_TI.astype(jnp.float32), values_LOI, *scales, jnp.asarray(layer, jnp.int32).reshape(1)
+    )

@@ -69,11 +69,14 @@ def _embed(params, tokens_BT, config: ModelConfig):
     return weights_lib.take_rows(params["embed"], tokens_BT).astype(config.jnp_dtype)
 
 
-def _logits(params, x_BXD, config: ModelConfig):
+def _logits(params, x_BXD, config: ModelConfig, *, kernel: bool = False):
+    """Logits through the output head (with ``kernel``, ``cache_kernel.stacked_matmul``)."""
     h = layers.rms_norm(x_BXD, params["final_norm"], config.norm_eps)
-    if config.tie_embeddings:
-        return weights_lib.head_logits(h, params["embed"], vocab_first=True)
-    return weights_lib.head_logits(h, params["lm_head"], vocab_first=False)
+    vocab_first = config.tie_embeddings
+    head = params["embed"] if vocab_first else params["lm_head"]
+    if kernel:
+        head = weights_lib.kernel_head(head, vocab_first=vocab_first)
+    return weights_lib.head_logits(h, head, vocab_first=vocab_first)
 
 
 def prompt_positions(tokens_BT: jax.Array, lengths_B: jax.Array | None) -> jax.Array:
@@ -241,6 +244,37 @@ def _uses_kernel(cache: KVCache, config: ModelConfig) -> bool:
     return True
 
 
+def _uses_matmul_kernel(rows: int, config: ModelConfig) -> bool:
+    """Whether ``extend`` multiplies ``rows`` rows by the layers' weights with
+    ``cache_kernel.stacked_matmul`` (``config.matmul`` is ``"kernel"`` and ``rows`` within
+    ``cache_kernel.MATMUL_ROWS``); ``"kernel"`` where the kernel cannot be built raises."""
+    lo, hi = cache_kernel.MATMUL_ROWS
+    if config.matmul != "kernel" or not lo <= rows <= hi:
+        return False
+    if not cache_kernel.available():
+        raise RuntimeError(
+            "config.matmul='kernel', but the CPU matmul kernel is unavailable: "
+            f"{cache_kernel.unavailable_reason()} (use matmul='xla')"
+        )
+    return True
+
+
+def _layer_weights(stacked: dict, layer) -> dict:
+    """Layer ``layer``'s matmul weights as ``weights_lib.LayerWeight``, read in place out of
+    the stacked ``params["layers"]``."""
+    try:
+        return {
+            n: weights_lib.layer_weight(w, layer)
+            for n, w in stacked.items()
+            if n in weights_lib.CONTRACTED
+        }
+    except ValueError as e:
+        raise ValueError(
+            f"config.matmul='kernel': {e}; jaxkv.load(..., matmul='kernel') stores float32 "
+            "weights out-first (int8 weights are)"
+        ) from None
+
+
 def _kernel_attention(
     q, k_new, v_new, pos_BT, layer, cache: KVCache, config: ModelConfig, *, probabilities
 ):
@@ -304,10 +338,19 @@ def extend(
     q_weights = attn_stats.query_moment_weights(pos_BT) if cache.query_stats else None
     q_acc = {n: a for n, a in cache.query_stats.items() if n != "weight"}
     kernel = _uses_kernel(cache, config)
+    # With the matmul kernel the stacked matmul weights stay out of the scan's inputs (which
+    # XLA would slice, copying each layer's): each layer reads its own in place.
+    matmul = _uses_matmul_kernel(tokens_BT.shape[0] * T, config)
+    stacked = params["layers"]
+    if matmul:
+        _layer_weights(stacked, 0)  # a wrong layout fails here, not inside the scan
+    scanned = {n: w for n, w in stacked.items() if not (matmul and n in weights_lib.CONTRACTED)}
 
     def layer(carry, xs):
         x, stats = carry
         i, lp, cached, q_acc_l = xs
+        if matmul:
+            lp = {**lp, **_layer_weights(stacked, i)}
         q, k, v, q_pre = _projections(lp, x, pos_BT, config)
         if kernel:  # reads the stacked cache itself, layer i
             attn, p_cache, p_new = _kernel_attention(
@@ -331,7 +374,7 @@ def extend(
         return (x, stats), (k, v, new, moments)
 
     cached = None if kernel else (cache.k, cache.v, cache.pos, cache.k_scale, cache.v_scale)
-    xs = (jnp.arange(config.n_layers), params["layers"], cached, q_acc)
+    xs = (jnp.arange(config.n_layers), scanned, cached, q_acc)
     (x, merged), (ks, vs, new_stats, moments) = jax.lax.scan(
         layer, (_embed(params, tokens_BT, config), carried), xs
     )
@@ -340,7 +383,7 @@ def extend(
         weight = cache.query_stats["weight"] + jnp.sum(q_weights, axis=1)
         cache = cache.replace(query_stats={"weight": weight, **moments})
     cache = kvcache.append(cache, ks, vs, pos_BT, new_stats)
-    return _guard(_logits(params, x, config), cache), cache
+    return _guard(_logits(params, x, config, kernel=matmul), cache), cache
 
 
 def decode_step(

@@ -14,7 +14,6 @@ import contextlib
 import dataclasses
 import importlib.util
 import json
-import os
 import shutil
 import tempfile
 import warnings
@@ -28,10 +27,17 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, so safetensors c
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from jaxkv.config import _DTYPES, ATTENTION_IMPLEMENTATIONS, PRESETS, ModelConfig
+from jaxkv.config import (
+    _DTYPES,
+    ATTENTION_IMPLEMENTATIONS,
+    MATMUL_IMPLEMENTATIONS,
+    PRESETS,
+    ModelConfig,
+)
 from jaxkv.model import weights_int8 as weights_lib
 from jaxkv.model.params import _unflatten, validate_params
 from jaxkv.model.tokenizer import ChatTokenizer, UnsupportedTokenizer
+from jaxkv.paths import cache_dir
 
 INT8 = "int8"
 """``load_model``'s dtype for weight-only int8 (``jaxkv.model.weights_int8``)."""
@@ -538,19 +544,13 @@ def embedded_model_path() -> Path:
     )
 
 
-def cache_dir() -> Path:
-    """Where dequantized models are cached: ``$JAXKV_CACHE_DIR``, else ``~/.cache/jaxkv``."""
-    if env := os.environ.get("JAXKV_CACHE_DIR"):
-        return Path(env)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jaxkv"
-
-
 def load_model(
     name_or_path: str | Path,
     *,
     dtype: str = "float32",
     out_first: bool = False,
     attention: str = "xla",
+    matmul: str = "xla",
 ) -> LoadedModel:
     """Loads config, params and tokenizer in one call.
 
@@ -570,6 +570,10 @@ def load_model(
         attention: ``config.attention``, how decode steps attend over the cache
             (``jaxkv.config.ATTENTION_IMPLEMENTATIONS``; ``"kernel"``: the compiled CPU
             kernel of ``jaxkv.model.cache_kernel``).
+        matmul: ``config.matmul``, how decode steps of 2-16 rows multiply by the weights
+            (``jaxkv.config.MATMUL_IMPLEMENTATIONS``); ``"kernel"`` (the compiled CPU kernel
+            ``cache_kernel.stacked_matmul``) stores float32 weights out-first, the layout it
+            reads (as ``out_first``).
 
     The embedded model's dequantized params, config and tokenizer are cached under
     ``cache_dir()`` (keyed by the GGUF file's size and mtime): the first load dequantizes,
@@ -577,9 +581,13 @@ def load_model(
     """
     if attention not in ATTENTION_IMPLEMENTATIONS:  # before any loading
         raise ValueError(f"attention must be one of {ATTENTION_IMPLEMENTATIONS}, got {attention!r}")
-    if attention != "xla":
+    if matmul not in MATMUL_IMPLEMENTATIONS:
+        raise ValueError(f"matmul must be one of {MATMUL_IMPLEMENTATIONS}, got {matmul!r}")
+    if (attention, matmul) != ("xla", "xla"):
+        out_first = out_first or matmul == "kernel"
         model = load_model(name_or_path, dtype=dtype, out_first=out_first)
-        return dataclasses.replace(model, config=model.config.replace(attention=attention))
+        config = model.config.replace(attention=attention, matmul=matmul)
+        return dataclasses.replace(model, config=config)
     if dtype == INT8:
         model = load_model(name_or_path, dtype="float32")
         return dataclasses.replace(model, params=weights_lib.quantize_params(model.params))

@@ -49,6 +49,7 @@ import jax.numpy as jnp
 import qwix
 from flax import struct
 
+from jaxkv.model import cache_kernel
 from jaxkv.model.params import PARAM_AXES
 
 # Logical axes (``jaxkv.model.params.PARAM_AXES``) each weight contracts with activations;
@@ -149,6 +150,42 @@ class OIWeight(_OILayout):
         return self.value
 
 
+@struct.dataclass
+class LayerWeight:
+    """Layer ``layer`` of a stacked out-first weight (``Int8Weight`` or ``OIWeight`` with one
+    leading layer axis, float32 values or int8 ones with float32 scales), multiplied by
+    ``cache_kernel.stacked_matmul``, which reads that layer in place: inside the decoder's
+    layer scan the stacked weights stay loop-invariant and nothing is sliced or copied
+    (``config.matmul == "kernel"``, a decode step of ``cache_kernel.MATMUL_ROWS`` rows). Any
+    other use (``dense``, an einsum the kernel cannot do) reads the slice."""
+
+    stacked: Int8Weight | OIWeight
+    layer: jax.Array
+
+    def sliced(self) -> Int8Weight | OIWeight:
+        return jax.tree.map(lambda a: a[self.layer], self.stacked)
+
+
+def layer_weight(stacked, layer) -> LayerWeight:
+    """``stacked`` (out-first, float32 or int8) as ``LayerWeight`` of ``layer``."""
+    if not (is_out_first(stacked) and stacked.values.ndim == 3):
+        raise ValueError("the matmul kernel reads stacked out-first weights [L, O, I]")
+    if stacked.dtype != jnp.float32:
+        raise ValueError(f"the matmul kernel reads float32 or int8 weights, not {stacked.dtype}")
+    return LayerWeight(stacked, jnp.asarray(layer, jnp.int32))
+
+
+def kernel_head(w, *, vocab_first: bool) -> LayerWeight:
+    """The output head ``w`` (``head_logits``'s argument) as the one layer of a
+    ``LayerWeight``; a tied float embedding ``[V, D]`` is output channels first already."""
+    if not is_out_first(w):
+        if not vocab_first:
+            raise ValueError("the matmul kernel reads an untied head stored out-first")
+        V, D = w.shape
+        w = OIWeight(value=w, in_shape=(D,), out_shape=(V,), in_first=False)
+    return layer_weight(jax.tree.map(lambda a: a[None], w), 0)
+
+
 def _layout(w: jax.Array, name: str):
     """(kinds of ``w``'s axes: "lead" / "in" / "out", in_shape, out_shape, in_first) of the
     params leaf ``name``."""
@@ -244,7 +281,9 @@ def is_out_first(x) -> bool:
 
 def dense(w) -> jax.Array:
     """``w`` as a float array in its own layout: dequantized if it is int8, transposed back
-    if it is an ``OIWeight``, else itself."""
+    if it is an ``OIWeight``, sliced if it is a ``LayerWeight``, else itself."""
+    if isinstance(w, LayerWeight):
+        w = w.sliced()
     return w.to_float_layout(w.matrix()) if is_out_first(w) else w
 
 
@@ -257,19 +296,42 @@ def einsum(subscripts: str, x: jax.Array, w, **kwargs) -> jax.Array:
     reshapes, which XLA:CPU fuses with the read of the weight (and its dequantization) at
     batch 1 (module docstring); any other einsum runs on ``dense(w)``.
     """
+    if isinstance(w, LayerWeight):
+        return _layer_einsum(subscripts, x, w, **kwargs)
     if not is_out_first(w):
         return jnp.einsum(subscripts, x, w, **kwargs)
-    ins, out = subscripts.split("->")
-    x_sub, w_sub = ins.split(",")
-    n_lead, n_in = w.values.ndim - 2, len(w.in_shape)
-    w_in = w_sub[n_lead:][:n_in] if w.in_first else w_sub[len(w_sub) - n_in :]
-    w_out = w_sub[n_lead:][n_in:] if w.in_first else w_sub[n_lead:][: len(w.out_shape)]
-    batch = x_sub[: len(x_sub) - n_in]
-    if n_lead or "." in subscripts or x_sub[len(batch) :] != w_in or out != batch + w_out:
+    if w.values.ndim != 2 or not _is_row_product(subscripts, w):
         return jnp.einsum(subscripts, x, dense(w), **kwargs)
     x_TI = x.reshape(-1, w.values.shape[-1])
     y_TO = _matmul_oi(x_TI, w, **kwargs)
-    return y_TO.reshape(*x.shape[: len(batch)], *w.out_shape)
+    return y_TO.reshape(*x.shape[: x.ndim - len(w.in_shape)], *w.out_shape)
+
+
+def _is_row_product(subscripts: str, w) -> bool:
+    """Whether ``subscripts`` (x, then one layer's weight ``w`` in its float axis order) is
+    ``x [..., I] @ w [O, I].T`` on free reshapes: x's last axes are w's contracted ones, in
+    order, and the output is x's other axes, then w's output axes."""
+    ins, out = subscripts.split("->")
+    x_sub, w_sub = ins.split(",")
+    n_in = len(w.in_shape)
+    w_in = w_sub[:n_in] if w.in_first else w_sub[len(w_sub) - n_in :]
+    w_out = w_sub[n_in:] if w.in_first else w_sub[: len(w.out_shape)]
+    batch = x_sub[: len(x_sub) - n_in]
+    return "." not in subscripts and x_sub[len(batch) :] == w_in and out == batch + w_out
+
+
+def _layer_einsum(subscripts: str, x: jax.Array, w: LayerWeight, **kwargs) -> jax.Array:
+    """``einsum`` with one layer of a stacked weight: ``cache_kernel.stacked_matmul`` for
+    the decoder's projections over ``MATMUL_ROWS`` rows, else the slice's einsum."""
+    one = w.stacked
+    n_in = len(one.in_shape)
+    rows = math.prod(x.shape[: x.ndim - n_in])
+    lo, hi = cache_kernel.MATMUL_ROWS
+    if not _is_row_product(subscripts, one) or x.dtype != jnp.float32 or not lo <= rows <= hi:
+        return einsum(subscripts, x, w.sliced(), **kwargs)
+    scales = one.scale if is_quantized(one) else None
+    y = cache_kernel.stacked_matmul(x.reshape(rows, -1), one.values, w.layer, scales)
+    return y.reshape(*x.shape[: x.ndim - n_in], *one.out_shape)
 
 
 def _materialized(x: jax.Array) -> jax.Array:
@@ -297,6 +359,14 @@ def head_logits(h_XD: jax.Array, w, *, vocab_first: bool) -> jax.Array:
     whole head at once would be a fresh 113 MB float array (SmolLM2) per call. A
     transposed float head (``OIWeight``, ``[V, D]``) goes through ``_matmul_t`` whole.
     """
+    if isinstance(w, LayerWeight):  # a kernel_head: [1, V, D]
+        lo, hi = cache_kernel.MATMUL_ROWS
+        h_RD = h_XD.reshape(-1, h_XD.shape[-1])
+        if h_XD.dtype != jnp.float32 or not lo <= h_RD.shape[0] <= hi:
+            return head_logits(h_XD, w.sliced(), vocab_first=True)
+        scales = w.stacked.scale if is_quantized(w.stacked) else None
+        logits = cache_kernel.stacked_matmul(h_RD, w.stacked.values, w.layer, scales)
+        return logits.reshape(*h_XD.shape[:-1], -1)
     if not is_out_first(w):
         head_DV = w.T if vocab_first else w
         return jnp.einsum("...d,dv->...v", h_XD, head_DV, preferred_element_type=jnp.float32)

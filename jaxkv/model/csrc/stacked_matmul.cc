@@ -1,0 +1,173 @@
+// A few rows times one layer of a stacked weight, read in place: y = x @ w[layer].T for
+// x [T, I] float32 and w [L, O, I] stored output channels first (float32, or int8 with one
+// float32 scale per output channel, [L, O, 1]); an XLA FFI target for the CPU
+// (jaxkv/model/cache_kernel.py builds, loads and calls it).
+//
+// XLA:CPU copies a layer's slice of the stacked weights out before a dot with 2-64 rows
+// (results/profile_decode.md), so a batch-8 decode step wrote and read every weight twice.
+// Here each weight row is read once for up to 8 rows of x at a time (T * O dot products of
+// length I, kept in vector registers: TO outputs x TT rows per tile), and the output channels
+// are cut into work items that run on XLA's intra-op thread pool. An int8 weight is widened
+// as it is loaded and scaled once per output.
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <thread>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
+typedef float vf __attribute__((vector_size(4 * kLanes)));
+typedef int8_t vb __attribute__((vector_size(kLanes)));
+
+constexpr int64_t kRowsPerItem = 32;  // output channels per work item
+
+inline vf load(const float* p) {
+  vf v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline vf load(const int8_t* p) {  // kLanes int8 values, widened (sign-extended) to float
+#if defined(__AVX512F__)
+  return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+#elif defined(__AVX2__)
+  return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+#else
+  vb b;
+  __builtin_memcpy(&b, p, sizeof(b));
+  return __builtin_convertvector(b, vf);
+#endif
+}
+inline float widen1(float x) { return x; }
+inline float widen1(int8_t x) { return static_cast<float>(x); }
+inline float hsum(vf v) {
+  float s = 0.0f;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+}
+
+// Outputs [o, o + TO) of rows [t, t + TT): TO * TT accumulators of kLanes each, the weight
+// rows read once for the TT rows.
+template <typename W, int TO, int TT>
+inline void Tile(const float* x, const W* w, const float* scale, float* y, int64_t I, int64_t O,
+                 int64_t o, int64_t t) {
+  const int64_t I16 = I - I % kLanes;
+  vf acc[TO][TT] = {};
+  for (int64_t i = 0; i < I16; i += kLanes) {
+    vf wv[TO];
+    for (int a = 0; a < TO; ++a) wv[a] = load(w + (o + a) * I + i);
+    for (int c = 0; c < TT; ++c) {
+      const vf xv = load(x + (t + c) * I + i);
+      for (int a = 0; a < TO; ++a) acc[a][c] += wv[a] * xv;
+    }
+  }
+  for (int a = 0; a < TO; ++a) {
+    for (int c = 0; c < TT; ++c) {
+      float s = hsum(acc[a][c]);
+      for (int64_t i = I16; i < I; ++i) s += widen1(w[(o + a) * I + i]) * x[(t + c) * I + i];
+      y[(t + c) * O + o + a] = scale ? s * scale[o + a] : s;
+    }
+  }
+}
+
+// Outputs [o0, o1) of rows [t, t + TT), TO at a time (then one at a time at the end).
+template <typename W, int TO, int TT>
+void Rows(const float* x, const W* w, const float* scale, float* y, int64_t I, int64_t O,
+          int64_t o0, int64_t o1, int64_t t) {
+  int64_t o = o0;
+  for (; o + TO <= o1; o += TO) Tile<W, TO, TT>(x, w, scale, y, I, O, o, t);
+  for (; o < o1; ++o) Tile<W, 1, TT>(x, w, scale, y, I, O, o, t);
+}
+
+// Output channels [o0, o1) of all T rows, in groups of 8, 4, 2 or 1 rows; each group's tile
+// keeps kAcc accumulators (half the vector registers).
+template <typename W>
+void Block(const float* x, const W* w, const float* scale, float* y, int64_t T, int64_t I,
+           int64_t O, int64_t o0, int64_t o1) {
+  constexpr int kAcc = kLanes == 16 ? 16 : 8;
+  int64_t t = 0;
+  for (; t + 8 <= T; t += 8) Rows<W, kAcc / 8, 8>(x, w, scale, y, I, O, o0, o1, t);
+  if (t + 4 <= T) Rows<W, kAcc / 4, 4>(x, w, scale, y, I, O, o0, o1, t), t += 4;
+  if (t + 2 <= T) Rows<W, kAcc / 2, 2>(x, w, scale, y, I, O, o0, o1, t), t += 2;
+  if (t < T) Rows<W, kAcc / 2, 1>(x, w, scale, y, I, O, o0, o1, t);
+}
+
+template <typename W>
+ffi::Error Run(ffi::ThreadPool& pool, const float* x, const W* wbase, const float* sbase,
+               int64_t L, int64_t O, int64_t I, int64_t T, int64_t layer, float* y) {
+  if (layer < 0 || layer >= L) return ffi::Error::InvalidArgument("stacked_matmul: layer out of range");
+  const W* w = wbase + layer * O * I;
+  const float* scale = sbase ? sbase + layer * O : nullptr;
+  const int64_t n_items = (O + kRowsPerItem - 1) / kRowsPerItem;
+  struct Work {
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> done{0};
+  };
+  auto work = std::make_shared<Work>();
+  auto run = [=]() {
+    for (;;) {
+      const int64_t item = work->next.fetch_add(1);
+      if (item >= n_items) return;
+      const int64_t o0 = item * kRowsPerItem, o1 = std::min(O, o0 + kRowsPerItem);
+      Block<W>(x, w, scale, y, T, I, O, o0, o1);
+      work->done.fetch_add(1);
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n_items) - 1;
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule(decltype(run)(run));
+  run();
+  while (work->done.load() < n_items) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+ffi::Error MatmulF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                     ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || xd[1] != wd[2])
+    return ffi::Error::InvalidArgument("stacked_matmul: x [T, I], w [L, O, I]");
+  return Run<float>(pool, x.typed_data(), w.typed_data(), nullptr, wd[0], wd[1], wd[2], xd[0],
+                    layer.typed_data()[0], y->typed_data());
+}
+
+ffi::Error MatmulS8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
+                    ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> layer,
+                    ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), wd = w.dimensions(), sd = scale.dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || xd[1] != wd[2])
+    return ffi::Error::InvalidArgument("stacked_matmul: x [T, I], w [L, O, I]");
+  if (sd.size() != 3 || sd[0] != wd[0] || sd[1] != wd[1] || sd[2] != 1)
+    return ffi::Error::InvalidArgument("stacked_matmul: scale [L, O, 1]");
+  return Run<int8_t>(pool, x.typed_data(), w.typed_data(), scale.typed_data(), wd[0], wd[1],
+                     wd[2], xd[0], layer.typed_data()[0], y->typed_data());
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvStackedMatmulF32, MatmulF32,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvStackedMatmulS8, MatmulS8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
