@@ -469,12 +469,15 @@ def make_engines(args, client):
 
 
 def with_kernel(model):
-    """The model with ``config.attention="kernel"`` (built here first: a clear error if not)."""
+    """The model with ``config.attention="kernel"`` and ``config.matmul="kernel"`` (the
+    compiled CPU kernels, built here first: a clear error if not; the matmul kernel applies to
+    the batch-8 rows only, and reads the out-first or int8 weights the engines have)."""
     from jaxkv.model import cache_kernel
 
     if not cache_kernel.available():
-        sys.exit(f"--kernel: the CPU kernel is unavailable: {cache_kernel.unavailable_reason()}")
-    return dataclasses.replace(model, config=model.config.replace(attention="kernel"))
+        sys.exit(f"--kernel: the CPU kernels are unavailable: {cache_kernel.unavailable_reason()}")
+    config = model.config.replace(attention="kernel", matmul="kernel")
+    return dataclasses.replace(model, config=config)
 
 
 def run(args, client) -> dict:
@@ -632,8 +635,9 @@ def main():
     ap.add_argument(
         "--kernel",
         action="store_true",
-        help="also jaxkv with config.attention='kernel' (the compiled CPU attention kernel, "
-        "jaxkv.model.cache_kernel): out-first f32 (with --out-first) and int8 weights, each "
+        help="also jaxkv with config.attention='kernel' and config.matmul='kernel' (the "
+        "compiled CPU kernels of jaxkv.model.cache_kernel; the matmul one at batch 8): "
+        "out-first f32 (with --out-first) and int8 weights, each "
         "with the f32 KV cache, (with --f16-cache) the f16 one and (int8 weights, with "
         "--int8-cache) the int8 one",
     )

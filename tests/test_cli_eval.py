@@ -289,7 +289,7 @@ def test_generate_picks_the_weight_layout_by_batch(flags, n_prompts, out_first, 
     monkeypatch.setattr(jaxkv, "load", load)
     prompts = [a for i in range(n_prompts) for a in ("--prompt", f"p{i}")]
     assert eval_lib.main(["generate", *prompts, *flags]) == 2
-    assert seen == {"dtype": "float32", "out_first": out_first, "attention": "xla"}
+    assert seen == {"dtype": "float32", "out_first": out_first, "attention": "xla", "matmul": "xla"}
 
 
 def test_generate_passes_the_attention_kernel_to_the_load(monkeypatch):
@@ -305,11 +305,34 @@ def test_generate_passes_the_attention_kernel_to_the_load(monkeypatch):
     assert seen["attention"] == "kernel"
 
 
-def test_generate_with_an_unavailable_kernel_fails_before_the_model(monkeypatch, capsys):
+def test_generate_passes_the_matmul_kernel_to_the_load(monkeypatch):
+    seen = {}
+
+    def load(name, **kwargs):
+        seen.update(kwargs)
+        raise OSError("stop after the load")
+
+    monkeypatch.setattr(jaxkv, "load", load)
+    monkeypatch.setattr(cache_kernel, "available", lambda: True)
+    argv = ["generate", "--prompt", "p", "--prompt", "q", "--matmul", "kernel"]
+    assert eval_lib.main(argv) == 2
+    assert seen["matmul"] == "kernel"
+
+
+@pytest.mark.parametrize("flag", ["--attention", "--matmul"])
+def test_generate_with_an_unavailable_kernel_fails_before_the_model(monkeypatch, capsys, flag):
     monkeypatch.setattr(cache_kernel, "_load", lambda: (False, "no C++ compiler"))
     monkeypatch.setattr(jaxkv, "load", lambda *a, **k: pytest.fail("loaded the model"))
-    assert eval_lib.main(["generate", "--prompt", "p", "--attention", "kernel"]) == 2
+    assert eval_lib.main(["generate", "--prompt", "p", flag, "kernel"]) == 2
     assert "no C++ compiler" in capsys.readouterr().err
+
+
+def test_generate_matmul_kernel_with_canonical_weights_fails_before_the_model(monkeypatch, capsys):
+    monkeypatch.setattr(cache_kernel, "available", lambda: True)
+    monkeypatch.setattr(jaxkv, "load", lambda *a, **k: pytest.fail("loaded the model"))
+    argv = ["generate", "--prompt", "p", "--matmul", "kernel", "--weight-layout", "canonical"]
+    assert eval_lib.main(argv) == 2
+    assert "drop --weight-layout canonical" in capsys.readouterr().err
 
 
 def test_out_first_for_rejects_an_unknown_layout():

@@ -95,10 +95,18 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _generate_cmd(args: argparse.Namespace) -> int:
     compression = generate_compression(args)
-    flags.check_attention(args)  # before the model loads
+    flags.check_kernels(args)  # before the model loads
+    if args.matmul == "kernel" and args.weight_layout == "canonical":
+        raise ValueError("--matmul kernel reads out-first weights: drop --weight-layout canonical")
     t0 = time.perf_counter()
     out_first = loading.out_first_for(args.weight_layout, batch_size=len(args.prompt))
-    model = jaxkv.load(args.model, dtype=args.dtype, out_first=out_first, attention=args.attention)
+    model = jaxkv.load(
+        args.model,
+        dtype=args.dtype,
+        out_first=out_first,
+        attention=args.attention,
+        matmul=args.matmul,
+    )
     t1 = time.perf_counter()
     outs = jaxkv.generate(
         model,
@@ -136,6 +144,7 @@ def _generate_flags(parser: argparse.ArgumentParser) -> None:
         "out-first for one prompt; int8 weights are out-first already)",
     )
     flags.attention_flag(parser)
+    flags.matmul_flag(parser)
     parser.add_argument(
         "--prompt", action="append", required=True, help="prompt text (repeat for a batch)"
     )

@@ -14,7 +14,7 @@ import argparse
 import math
 from collections.abc import Callable
 
-from jaxkv.config import ATTENTION_IMPLEMENTATIONS
+from jaxkv.config import ATTENTION_IMPLEMENTATIONS, MATMUL_IMPLEMENTATIONS
 from jaxkv.model import cache_kernel, loading
 
 SEED_LIMIT = 2**31
@@ -101,12 +101,25 @@ def attention_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def check_attention(args: argparse.Namespace) -> None:
-    """``--attention kernel`` where the kernel cannot be built: a ValueError before any model
-    loads or output is written."""
-    if getattr(args, "attention", "xla") == "kernel" and not cache_kernel.available():
-        why = cache_kernel.unavailable_reason()
-        raise ValueError(f"--attention kernel: the CPU kernel is unavailable: {why}")
+def matmul_flag(parser: argparse.ArgumentParser) -> None:
+    """``--matmul``: ``config.matmul`` (``jaxkv.config.MATMUL_IMPLEMENTATIONS``)."""
+    parser.add_argument(
+        "--matmul",
+        default="xla",
+        choices=MATMUL_IMPLEMENTATIONS,
+        help="how decode steps of 2-16 rows (a batch of prompts) multiply by the weights: xla "
+        "(default) or kernel, a C++ CPU kernel built on first use that reads each layer's "
+        "weights in place (float weights are then stored out-first)",
+    )
+
+
+def check_kernels(args: argparse.Namespace) -> None:
+    """``--attention kernel`` or ``--matmul kernel`` where the kernels cannot be built: a
+    ValueError before any model loads or output is written."""
+    for flag in ("attention", "matmul"):
+        if getattr(args, flag, "xla") == "kernel" and not cache_kernel.available():
+            why = cache_kernel.unavailable_reason()
+            raise ValueError(f"--{flag} kernel: the CPU kernels are unavailable: {why}")
 
 
 def dtype_flag(parser: argparse.ArgumentParser) -> None:

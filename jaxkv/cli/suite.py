@@ -166,7 +166,7 @@ def _job(args: argparse.Namespace, command: str) -> runner.Job:
     seeds = flags.parse_seeds(args.seeds)
     groups = runner.parse_policies(args.policies)
     _check_families(groups, command)
-    flags.check_attention(args)
+    flags.check_kernels(args)
     selection = {n: getattr(args, n) for n in ("protocol", "granularity") if hasattr(args, n)}
     return runner.Job(
         model=args.model,
