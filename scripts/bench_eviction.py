@@ -38,7 +38,7 @@ Writes ``results/bench_eviction.{json,md}`` (``--out PATH``: ``PATH.{json,md}``)
 
     .venv/bin/python scripts/bench_eviction.py [--steps 64] [--context 4096] [--batch 8]
         [--policy h2o] [--evict-every 1] [--kv-dtype model] [--granularities shared,head]
-        [--out results/bench_eviction]
+        [--dtype float32] [--attention xla] [--matmul xla] [--out results/bench_eviction]
 """
 
 from __future__ import annotations
@@ -147,6 +147,12 @@ def main():
         help="config.attention of every variant (kernel: jaxkv.model.cache_kernel)",
     )
     ap.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "int8"),
+        help="the model's weights (int8: weight-only int8, jaxkv.model.weights_int8)",
+    )
+    ap.add_argument(
         "--matmul",
         default="xla",
         choices=MATMUL_IMPLEMENTATIONS,
@@ -157,7 +163,9 @@ def main():
     args = ap.parse_args()
     if not set(args.granularities) <= set(eviction.GRANULARITIES):
         ap.error(f"--granularities: choose from {eviction.GRANULARITIES}")
-    model = jaxkv.load("smollm2-135m", attention=args.attention, matmul=args.matmul)
+    model = jaxkv.load(
+        "smollm2-135m", dtype=args.dtype, attention=args.attention, matmul=args.matmul
+    )
     cfg, params = model.config, model.params
     n_max = args.context + args.steps
     tok = jnp.zeros((args.batch,), jnp.int32)
@@ -262,7 +270,8 @@ def summarize(rows, full_bytes, small_bytes, args, policy_stats, load, paired):
     lines = [
         f"# Eviction benchmark (SmolLM2-135M, batch {args.batch}, context {args.context}, "
         f"r = {args.ratio}, policy {args.policy}, evict every {args.evict_every} step(s), "
-        f"compressed KV {args.kv_dtype}, attention {args.attention}, matmul {args.matmul}, "
+        f"weights {args.dtype}, compressed KV {args.kv_dtype}, attention {args.attention}, "
+        f"matmul {args.matmul}, "
         f"median of {args.steps} interleaved calls)",
         "",
         f"Load average (1 min) {load[0]:.1f} before the timed calls, {load[1]:.1f} after, on"

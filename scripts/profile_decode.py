@@ -40,7 +40,10 @@ layer's weights and cache in buffers of their own (the layer loop unrolled; the 
 cache writes as two jitted calls) against the library's stacked ``decode_step``, in turns.
 ``kernel`` times ``config.attention="kernel"`` (``jaxkv.model.cache_kernel``) against the XLA
 attention, in turns: attention alone over every layer of a random filled cache, then whole
-decode steps.
+decode steps. ``matmul`` times the weights alone (every layer's seven projections as a
+``lax.scan`` over the layers, then the output head) for ``--batch`` rows: float32 weights
+canonical and out-first through XLA, out-first through ``config.matmul="kernel"``
+(``cache_kernel.stacked_matmul``), int8 weights through XLA and the kernel, in turns.
 """
 
 from __future__ import annotations
@@ -675,6 +678,64 @@ def _attention_pieces(config, batch, ctx, dtype) -> dict:
     return calls
 
 
+def matmul_piece(model, rows, reps):
+    """The weights alone for ``rows`` rows (``matmul_pieces``), in turns: {name: (median ms,
+    GB/s of weights read)}."""
+    float_params = weights_int8.dequantize_params(model.params)
+    variants = {
+        "xla canonical": (float_params, False),
+        "xla out-first": (weights_int8.transpose_params(float_params), False),
+        "kernel out-first": (weights_int8.transpose_params(float_params), True),
+        "xla int8": (weights_int8.quantize_params(float_params), False),
+        "kernel int8": (weights_int8.quantize_params(float_params), True),
+    }
+    calls = {k: _matmul_call(p, model.config, rows, kernel) for k, (p, kernel) in variants.items()}
+    t = in_turns(calls, reps)
+    out = {}
+    for k, (p, _) in variants.items():
+        gb = weights_int8.nbytes({n: w for n, w in p.items() if n != "final_norm"}) / 1e9
+        out[k] = (1e3 * _med(t[k]), gb / _med(t[k]))
+    return out
+
+
+def _matmul_call(params, config, rows, kernel):
+    """One compiled program: every layer's projections of fixed random inputs (``rows`` rows)
+    and the output head, as the decoder multiplies them (``weights_int8.einsum``; with
+    ``kernel`` through ``decoder._layer_weights`` and ``kernel_head``)."""
+    rng = np.random.default_rng(0)
+    D, F, N, H = config.d_model, config.d_ff, config.n_heads, config.head_dim
+    x, h, a = (jnp.asarray(rng.normal(size=(rows, 1, n)), jnp.float32) for n in (D, F, N * H))
+    a = a.reshape(rows, 1, N, H)
+    subs = {
+        "wq": ("btd,dnh->btnh", x),
+        "wk": ("btd,dkh->btkh", x),
+        "wv": ("btd,dkh->btkh", x),
+        "wo": ("btnh,nhd->btd", a),
+        "w_gate": ("btd,df->btf", x),
+        "w_up": ("btd,df->btf", x),
+        "w_down": ("btf,fd->btd", h),
+    }
+    stacked = {n: params["layers"][n] for n in subs}
+
+    def layer(acc, lp):
+        ys = [weights_int8.einsum(sub, v, lp[n]) for n, (sub, v) in subs.items()]
+        return acc + sum(y.sum() for y in ys), None
+
+    def run(stacked, embed):
+        if kernel:
+            body = lambda acc, i: layer(acc, decoder._layer_weights(stacked, i))  # noqa: E731
+            acc, _ = jax.lax.scan(body, 0.0, jnp.arange(config.n_layers))
+            embed = weights_int8.kernel_head(embed, vocab_first=True)
+        else:
+            acc, _ = jax.lax.scan(layer, 0.0, stacked)
+        return acc + weights_int8.head_logits(x, embed, vocab_first=True).sum()
+
+    jitted = jax.jit(run)
+    call = functools.partial(_block, jitted, stacked, params["embed"])
+    call()  # compiled before the turns
+    return call
+
+
 def _block(fn, *args):
     return fn(*args).block_until_ready()
 
@@ -1004,6 +1065,7 @@ def main():
             "stats",
             "perlayer",
             "kernel",
+            "matmul",
         ],
     )
     ap.add_argument("--batch", type=int, default=1)
@@ -1119,6 +1181,11 @@ def main():
                 f"decode step, batch {b} context {ctx}: xla {x:.1f} ms, kernel {k:.1f} ms,"
                 f" paired {up:.3f}x"
             )
+        print(open("/proc/loadavg").read().strip())
+    elif args.what == "matmul":
+        print(open("/proc/loadavg").read().strip())
+        for name, (ms, gbs) in matmul_piece(model, args.batch, args.reps).items():
+            print(f"weights alone, {args.batch} rows, {name}: {ms:.2f} ms ({gbs:.1f} GB/s)")
         print(open("/proc/loadavg").read().strip())
     elif args.what == "compare":
         for r in compare(model, args.reps, args.decode, args.prefill):
