@@ -292,7 +292,8 @@ def test_generate_picks_the_weight_layout_by_batch(flags, n_prompts, out_first, 
     assert seen == {"dtype": "float32", "out_first": out_first, "attention": "xla", "matmul": "xla"}
 
 
-def test_generate_passes_the_attention_kernel_to_the_load(monkeypatch):
+@pytest.mark.parametrize("flag", ["attention", "matmul"])
+def test_generate_passes_a_kernel_to_the_load(monkeypatch, flag):
     seen = {}
 
     def load(name, **kwargs):
@@ -301,22 +302,9 @@ def test_generate_passes_the_attention_kernel_to_the_load(monkeypatch):
 
     monkeypatch.setattr(jaxkv, "load", load)
     monkeypatch.setattr(cache_kernel, "available", lambda: True)
-    assert eval_lib.main(["generate", "--prompt", "p", "--attention", "kernel"]) == 2
-    assert seen["attention"] == "kernel"
-
-
-def test_generate_passes_the_matmul_kernel_to_the_load(monkeypatch):
-    seen = {}
-
-    def load(name, **kwargs):
-        seen.update(kwargs)
-        raise OSError("stop after the load")
-
-    monkeypatch.setattr(jaxkv, "load", load)
-    monkeypatch.setattr(cache_kernel, "available", lambda: True)
-    argv = ["generate", "--prompt", "p", "--prompt", "q", "--matmul", "kernel"]
+    argv = ["generate", "--prompt", "p", "--prompt", "q", f"--{flag}", "kernel"]
     assert eval_lib.main(argv) == 2
-    assert seen["matmul"] == "kernel"
+    assert seen[flag] == "kernel"
 
 
 @pytest.mark.parametrize("flag", ["--attention", "--matmul"])

@@ -18,7 +18,9 @@ weights at batch 1 when they are stored output channels first
 (``weights_int8.transpose_params``, and int8 weights). With ``config.attention == "kernel"``
 new tokens attend over the cache through ``jaxkv.model.cache_kernel``, a compiled CPU kernel
 that reads the stacked cache in place, each key and value once (results/profile_decode.md,
-"Session 43").
+"Session 43"); with ``config.matmul == "kernel"`` a step of 2-16 rows multiplies by each
+layer's out-first weights through ``cache_kernel.stacked_matmul``, which reads them in place
+too (``weights_int8.LayerWeight``; "Session 44").
 """
 
 from __future__ import annotations

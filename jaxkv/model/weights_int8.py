@@ -20,6 +20,11 @@ picks the form that measured fastest for each.
 ``dense`` gives the float weight back in its own layout, so code that reads a weight as a
 float array (``jaxkv.policies`` binding W_o) sees no difference.
 
+With ``config.matmul == "kernel"`` the decoder hands a decode step's projections a
+``LayerWeight`` (the stacked weight and the layer index) instead of the slice, and ``einsum``
+/ ``head_logits`` multiply 2-16 rows by it with ``cache_kernel.stacked_matmul``, which reads the
+layer in place (results/profile_decode.md, "Session 44").
+
 The decoder reads every weight through ``einsum``, ``head_logits`` and ``take_rows`` here,
 the one place that knows about quantized weights: a float weight goes to ``jnp.einsum`` as
 before, an int8 one to ``_matmul_t`` (``[T, I] @ [O, I].T``). Activations stay float:
