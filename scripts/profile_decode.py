@@ -682,12 +682,14 @@ def matmul_piece(model, rows, reps):
     """The weights alone for ``rows`` rows (``matmul_pieces``), in turns: {name: (median ms,
     GB/s of weights read)}."""
     float_params = weights_int8.dequantize_params(model.params)
+    out_first = weights_int8.transpose_params(float_params)
+    int8 = weights_int8.quantize_params(float_params)
     variants = {
         "xla canonical": (float_params, False),
-        "xla out-first": (weights_int8.transpose_params(float_params), False),
-        "kernel out-first": (weights_int8.transpose_params(float_params), True),
-        "xla int8": (weights_int8.quantize_params(float_params), False),
-        "kernel int8": (weights_int8.quantize_params(float_params), True),
+        "xla out-first": (out_first, False),
+        "kernel out-first": (out_first, True),
+        "xla int8": (int8, False),
+        "kernel int8": (int8, True),
     }
     calls = {k: _matmul_call(p, model.config, rows, kernel) for k, (p, kernel) in variants.items()}
     t = in_turns(calls, reps)

@@ -331,12 +331,22 @@ def _layer_einsum(subscripts: str, x: jax.Array, w: LayerWeight, **kwargs) -> ja
     one = w.stacked
     n_in = len(one.in_shape)
     rows = math.prod(x.shape[: x.ndim - n_in])
-    lo, hi = cache_kernel.MATMUL_ROWS
-    if not _is_row_product(subscripts, one) or x.dtype != jnp.float32 or not lo <= rows <= hi:
+    if not _is_row_product(subscripts, one) or not _kernel_rows(x, rows):
         return einsum(subscripts, x, w.sliced(), **kwargs)
-    scales = one.scale if is_quantized(one) else None
-    y = cache_kernel.stacked_matmul(x.reshape(rows, -1), one.values, w.layer, scales)
+    y = _kernel_matmul(x.reshape(rows, -1), w)
     return y.reshape(*x.shape[: x.ndim - n_in], *one.out_shape)
+
+
+def _kernel_rows(x: jax.Array, rows: int) -> bool:
+    """Whether ``rows`` rows of ``x`` go through the kernel (``cache_kernel.MATMUL_ROWS``)."""
+    lo, hi = cache_kernel.MATMUL_ROWS
+    return x.dtype == jnp.float32 and lo <= rows <= hi
+
+
+def _kernel_matmul(x_RI: jax.Array, w: LayerWeight) -> jax.Array:
+    """``x @ w.T`` [R, O] through ``cache_kernel.stacked_matmul``, int8 scales included."""
+    scales = w.stacked.scale if is_quantized(w.stacked) else None
+    return cache_kernel.stacked_matmul(x_RI, w.stacked.values, w.layer, scales)
 
 
 def _materialized(x: jax.Array) -> jax.Array:
@@ -365,13 +375,10 @@ def head_logits(h_XD: jax.Array, w, *, vocab_first: bool) -> jax.Array:
     transposed float head (``OIWeight``, ``[V, D]``) goes through ``_matmul_t`` whole.
     """
     if isinstance(w, LayerWeight):  # a kernel_head: [1, V, D]
-        lo, hi = cache_kernel.MATMUL_ROWS
         h_RD = h_XD.reshape(-1, h_XD.shape[-1])
-        if h_XD.dtype != jnp.float32 or not lo <= h_RD.shape[0] <= hi:
+        if not _kernel_rows(h_XD, h_RD.shape[0]):
             return head_logits(h_XD, w.sliced(), vocab_first=True)
-        scales = w.stacked.scale if is_quantized(w.stacked) else None
-        logits = cache_kernel.stacked_matmul(h_RD, w.stacked.values, w.layer, scales)
-        return logits.reshape(*h_XD.shape[:-1], -1)
+        return _kernel_matmul(h_RD, w).reshape(*h_XD.shape[:-1], -1)
     if not is_out_first(w):
         head_DV = w.T if vocab_first else w
         return jnp.einsum("...d,dv->...v", h_XD, head_DV, preferred_element_type=jnp.float32)
