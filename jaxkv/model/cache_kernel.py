@@ -50,6 +50,7 @@ _SYMBOLS = (
         for probs in ("", "_probs")
     }
     | {f"jaxkv_stacked_matmul_{t}": f"JaxkvStackedMatmul{t.upper()}" for t in ("f32", "s8")}
+    | {"jaxkv_causal_attention_f32": "JaxkvCausalAttentionF32"}
 )
 DTYPES = tuple(_SUFFIX)
 """Cache storage dtypes the kernel reads (others keep the XLA attention)."""
@@ -76,7 +77,9 @@ def _kernel_dir() -> Path:
     return cache_dir() / "kernels"
 
 
-def _compile(sources: tuple[Path, ...], out: Path) -> None:
+def _compile(sources: tuple[Path, ...], out: Path, *, march: str = "native") -> None:
+    """Builds ``sources`` into the shared library ``out`` for ``-march=march`` (the
+    machine's own CPU; tests build other vector widths)."""
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if cxx is None:
         raise RuntimeError("no C++ compiler ($CXX, c++ or g++) on PATH")
@@ -86,7 +89,7 @@ def _compile(sources: tuple[Path, ...], out: Path) -> None:
     cmd = [
         cxx,
         "-O3",
-        "-march=native",
+        f"-march={march}",
         "-fopenmp-simd",
         "-std=c++17",
         "-shared",
@@ -205,6 +208,45 @@ def cache_attention(
     )
     out = (o.reshape(B, K, G, T, H), top.reshape(B, K, G, T), total.reshape(B, K, G, T))
     return (*out, p[0].reshape(B, K, G, T, C)) if probabilities else out
+
+
+def prefill_supported(q_BKGTH) -> bool:
+    """Whether ``causal_attention`` takes these queries: float32, a head dimension that is a
+    multiple of 64 (at most 256)."""
+    H = q_BKGTH.shape[-1]
+    return q_BKGTH.dtype == jnp.float32 and H % 64 == 0 and H <= 256
+
+
+def causal_attention(q_BKGTH, k_BKTH, v_BKTH, pos_BT, *, window):
+    """Causal self-attention of a prompt (``csrc/causal_attention.cc``): the output of
+    ``jaxkv.model.layers.causal_block_attention`` without statistics, flash-style (no
+    T x T scores in memory, only the blocks on the diagonal masked).
+
+    Args:
+        q_BKGTH: rotated queries (float32, ``prefill_supported``).
+        k_BKTH, v_BKTH: the prompt's rotated keys and its values (float32).
+        pos_BT: slot t's position: t, or -1 for padding (``decoder.prompt_positions``).
+        window: the sliding window (None: none).
+
+    Returns:
+        The attention output [B, K, G, T, H]; zero for a query that sees no key.
+    """
+    ok, why = _load()
+    if not ok:
+        raise RuntimeError(f"the causal attention kernel is unavailable: {why}")
+    if not prefill_supported(q_BKGTH):
+        raise ValueError(f"causal_attention takes float32 queries with H % 64 == 0, not {q_BKGTH}")
+    H = q_BKGTH.shape[-1]
+    out = jax.ShapeDtypeStruct(q_BKGTH.shape, jnp.float32)
+    call = jax.ffi.ffi_call("jaxkv_causal_attention_f32", out, vmap_method="sequential")
+    return call(
+        q_BKGTH,
+        k_BKTH.astype(jnp.float32),
+        v_BKTH.astype(jnp.float32),
+        pos_BT.astype(jnp.int32),
+        window=np.int64(window or 0),
+        scale=np.float32(H**-0.5),
+    )
 
 
 MATMUL_ROWS = (2, 16)

@@ -102,6 +102,32 @@ def _value_stats(lp, v_BKTH, names) -> dict:
     return out
 
 
+def _prompt_attention(q, k, v, pos_BT, config: ModelConfig, stat_weights, stat_names):
+    """Causal self-attention of a prompt's layer and (with ``stat_weights``) its statistics:
+    ``layers.causal_block_attention``. With ``config.attention == "kernel"`` (float32, H a
+    multiple of 64) the output comes from the compiled flash-style kernel
+    (``cache_kernel.causal_attention``) whether or not statistics are gathered, so a cache
+    with statistics holds the same keys and values as one without, bit for bit (r = 1 equals
+    the full cache); the statistics still come from XLA's blocks, whose unused output XLA
+    drops."""
+    kernel = config.attention == "kernel" and cache_kernel.prefill_supported(q)
+    if kernel and stat_weights is None:
+        return cache_kernel.causal_attention(q, k, v, pos_BT, window=config.sliding_window), None
+    attn, st = layers.causal_block_attention(
+        q,
+        k,
+        v,
+        pos_BT,
+        window=config.sliding_window,
+        block=PREFILL_BLOCK,
+        stat_weights_BT3=stat_weights,
+        stat_names=stat_names,
+    )
+    if kernel:
+        attn = cache_kernel.causal_attention(q, k, v, pos_BT, window=config.sliding_window)
+    return attn, st
+
+
 def _self_attention_stack(
     params,
     tokens_BT,
@@ -126,16 +152,7 @@ def _self_attention_stack(
 
     def layer(x, lp):
         q, k, v, q_pre = _projections(lp, x, pos_BT, config)
-        attn, st = layers.causal_block_attention(
-            q,
-            k,
-            v,
-            pos_BT,
-            window=config.sliding_window,
-            block=PREFILL_BLOCK,
-            stat_weights_BT3=weights,
-            stat_names=stat_names,
-        )
+        attn, st = _prompt_attention(q, k, v, pos_BT, config, weights, stat_names)
         if st is not None:
             st = {**st, **_value_stats(lp, v, stat_names)}
         qm = None

@@ -1,0 +1,304 @@
+// Causal self-attention of a prompt (prefill), flash-style: an XLA FFI target for the CPU
+// (jaxkv/model/cache_kernel.py builds, loads and calls it).
+//
+// XLA computes prefill attention block by block (jaxkv.model.layers.causal_block_attention):
+// each block of 256 queries writes its scores against every key it may see to memory, then
+// reads them back for the maximum, the exponentials, the sum and the weighted values, and the
+// keys right of the diagonal inside a block are computed and masked away. Here a group of
+// kRows consecutive query positions of one query head walks the keys it may see in blocks of
+// kKeys, keeping its scores in vector registers (the keys on the lanes, read from a
+// transposed copy), its running maximum, exp-sum and output in L1 (an online softmax: the
+// output is rescaled only when the maximum grows), so nothing of size T^2 touches memory and
+// only the blocks that touch the diagonal are masked. Groups are work items on XLA's
+// intra-op thread pool, the longest first.
+//
+// Contract (layers.causal_block_attention's): slot t of the prompt holds position t, or -1
+// (padding); a key is visible to a query when both positions are >= 0, the key's is not
+// greater, and (with a sliding window w) greater than the query's minus w. A query that sees
+// no key gets an all-zero output, as XLA's masked softmax gives it.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+constexpr int kRows = 12;  // query rows per group: 2 * kRows score vectors in registers
+constexpr int kPvRows = 4;  // rows per pass of the value update (kPvRows * 4 accumulators)
+#else
+constexpr int kLanes = 8;
+constexpr int kRows = 4;
+constexpr int kPvRows = 2;
+#endif
+constexpr int kKeys = 2 * kLanes;  // keys per block: two vectors of scores per row
+constexpr int kPvVecs = 4;         // head-dimension vectors per pass of the value update
+constexpr int kMaxHead = 256;
+constexpr float kNegInf = -1e30f;
+
+typedef float vf __attribute__((vector_size(4 * kLanes)));
+typedef int32_t vi __attribute__((vector_size(4 * kLanes)));
+
+inline vf load(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
+inline vf splat(float x) { return vf{} + x; }
+inline vf vmax(vf a, vf b) { return a > b ? a : b; }
+inline float hmax(vf v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_max_ps((__m512)v);
+#elif defined(__AVX2__)
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+#else
+  float m = v[0];
+  for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
+  return m;
+#endif
+}
+inline float hsum(vf v) {
+  float s = 0.0f;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+}
+
+// exp(x) for x <= 0 on every lane: 2^n * p(r) with x = n ln 2 + r, |r| <= ln 2 / 2 and p a
+// degree-6 Taylor polynomial (relative error < 2e-7); lanes below -87 (a hidden key's score
+// minus a visible maximum) give exactly 0.
+inline vf vexp_nonpositive(vf x) {
+  const vi under = x < -87.0f;
+  x = vmax(x, splat(-87.0f));
+  const vf magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
+  const vf t = x * 1.44269504088896341f + magic;
+  const vf n = t - magic;
+  const vf r = x - n * 0.693145751953125f - n * 1.42860682030941723e-06f;
+  vf p = splat(1.0f / 720.0f);
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const vi bits = (((vi)t - (vi)magic) + 127) << 23;
+  const vf e = p * (vf)bits;
+  return under ? vf{} : e;
+}
+
+struct Shape {
+  int64_t B, K, G, T, H, Tp;  // Tp: T rounded up to kKeys (the transposed keys' row length)
+  int64_t window;             // 0: none
+  float scale;
+};
+
+// Lanes whose key position kp a query at position qp >= 0 may see.
+inline vi visible(vi kp, int32_t qp, int64_t window) {
+  vi see = (kp >= 0) & (kp <= qp);
+  if (window > 0) see &= kp > static_cast<int32_t>(qp - window);
+  return see;
+}
+
+// Keys of (b, k) [T, H] into kt [Tp / kKeys, H, kKeys], zero-padded: each block's keys on
+// the lanes, the block contiguous (a plain [H, Tp] transpose puts a block's rows Tp floats
+// apart, all in one L1 set).
+void Transpose(const float* k, float* kt, const Shape& s) {
+  std::fill(kt, kt + s.Tp * s.H, 0.0f);
+  for (int64_t j = 0; j < s.T; ++j) {
+    float* block = kt + (j / kKeys) * s.H * kKeys + j % kKeys;
+    for (int64_t h = 0; h < s.H; ++h) block[h * kKeys] = k[j * s.H + h];
+  }
+}
+
+// Scores of kRows query rows (q [H, kRows], scaled) against a block of kKeys keys (kt
+// [H, kKeys]) into s [kRows, kKeys], kept in registers until stored.
+inline void Scores(const float* __restrict q, const float* __restrict kt, int64_t H,
+                   float* __restrict s) {
+  vf acc[kRows][2] = {};
+  for (int64_t h = 0; h < H; ++h) {
+    const vf k0 = load(kt + h * kKeys), k1 = load(kt + h * kKeys + kLanes);
+#pragma GCC unroll 16
+    for (int r = 0; r < kRows; ++r) {
+      acc[r][0] += q[h * kRows + r] * k0;
+      acc[r][1] += q[h * kRows + r] * k1;
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+    store(s + r * kKeys, acc[r][0]);
+    store(s + r * kKeys + kLanes, acc[r][1]);
+  }
+}
+
+// Rows [r0, r0 + kPvRows) of acc [kRows, H] += p [kRows, kKeys] (their first n keys) @ v.
+inline void AddValues(float* __restrict acc, const float* __restrict p, const float* v, int n,
+                      int r0, int64_t H) {
+  for (int64_t h0 = 0; h0 < H; h0 += kPvVecs * kLanes) {
+    vf a[kPvRows][kPvVecs];
+    for (int r = 0; r < kPvRows; ++r)
+      for (int c = 0; c < kPvVecs; ++c) a[r][c] = load(acc + (r0 + r) * H + h0 + c * kLanes);
+    for (int j = 0; j < n; ++j) {
+      vf vv[kPvVecs];
+      for (int c = 0; c < kPvVecs; ++c) vv[c] = load(v + j * H + h0 + c * kLanes);
+      for (int r = 0; r < kPvRows; ++r) {
+        const float w = p[(r0 + r) * kKeys + j];
+        for (int c = 0; c < kPvVecs; ++c) a[r][c] += w * vv[c];
+      }
+    }
+    for (int r = 0; r < kPvRows; ++r)
+      for (int c = 0; c < kPvVecs; ++c) store(acc + (r0 + r) * H + h0 + c * kLanes, a[r][c]);
+  }
+}
+
+// Query positions [t0, t0 + kRows) of head (b, k, g): their outputs into o.
+void Group(const float* q, const float* kt, const float* v, const int32_t* pos, float* o,
+           int64_t t0, const Shape& s) {
+  const int64_t H = s.H, n = std::min<int64_t>(kRows, s.T - t0);
+  alignas(64) float qs[kMaxHead * kRows];  // [H, kRows]
+  alignas(64) float acc[kRows * kMaxHead] = {};
+  alignas(64) float p[kRows * kKeys];
+  float m[kRows];
+  vf l[kRows];
+  int32_t qp[kRows];
+  int32_t lo_pos = INT32_MAX, hi_pos = -1;
+  for (int r = 0; r < kRows; ++r) {
+    const bool real = r < n;
+    qp[r] = real ? pos[t0 + r] : -1;
+    for (int64_t h = 0; h < H; ++h) qs[h * kRows + r] = real ? q[(t0 + r) * H + h] * s.scale : 0.0f;
+    m[r] = kNegInf;
+    l[r] = vf{};
+    if (qp[r] >= 0) lo_pos = std::min(lo_pos, qp[r]), hi_pos = std::max(hi_pos, qp[r]);
+  }
+  const int64_t hi = std::min<int64_t>(s.T, int64_t{hi_pos} + 1);  // keys [lo, hi) at most
+  int64_t lo = 0;
+  if (s.window > 0 && hi_pos >= 0) lo = std::max<int64_t>(0, lo_pos - s.window + 1);
+  for (int64_t j0 = lo - lo % kKeys; j0 < hi; j0 += kKeys) {
+    Scores(qs, kt + j0 * H, H, p);  // p: the block's scores, then its exponentials
+    const int nk = static_cast<int>(std::min<int64_t>(kKeys, s.T - j0));
+    const bool edge = j0 + kKeys - 1 > lo_pos || nk < kKeys ||
+                      (s.window > 0 && j0 <= hi_pos - s.window);
+    vi kp[2];
+    if (edge) {
+      alignas(64) int32_t kb[kKeys];
+      for (int c = 0; c < kKeys; ++c) kb[c] = c < nk ? pos[j0 + c] : -1;
+      std::memcpy(kp, kb, sizeof(kp));
+    }
+    for (int r = 0; r < kRows; ++r) {
+      float* pr = p + r * kKeys;
+      if (qp[r] < 0) {  // padding (or past the prompt's end): sees nothing
+        std::fill(pr, pr + kKeys, 0.0f);
+        continue;
+      }
+      vf sc[2] = {load(pr), load(pr + kLanes)};
+      if (edge) {
+        for (int c = 0; c < 2; ++c) sc[c] = visible(kp[c], qp[r], s.window) ? sc[c] : splat(kNegInf);
+      }
+      const float top = hmax(vmax(sc[0], sc[1]));
+      if (top <= kNegInf) {  // this row sees no key of the block
+        std::fill(pr, pr + kKeys, 0.0f);
+        continue;
+      }
+      if (top > m[r]) {
+        const float alpha = std::exp(m[r] - top);  // 0 while nothing was seen
+        for (int64_t h = 0; h < H; ++h) acc[r * H + h] *= alpha;
+        l[r] *= alpha;
+        m[r] = top;
+      }
+      const vf e0 = vexp_nonpositive(sc[0] - m[r]), e1 = vexp_nonpositive(sc[1] - m[r]);
+      l[r] += e0 + e1;
+      store(pr, e0);
+      store(pr + kLanes, e1);
+    }
+    for (int r0 = 0; r0 < kRows; r0 += kPvRows) AddValues(acc, p, v + j0 * H, nk, r0, H);
+  }
+  for (int r = 0; r < n; ++r) {
+    const float inv = 1.0f / std::max(hsum(l[r]), 1e-30f);
+    for (int64_t h = 0; h < H; ++h) o[(t0 + r) * H + h] = acc[r * H + h] * inv;
+  }
+}
+
+// fn(i) for i in [0, n) on the calling thread and XLA's pool; returns when all are done.
+template <typename Fn>
+void ParallelFor(ffi::ThreadPool& pool, int64_t n, Fn fn) {
+  struct Work {
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> done{0};
+  };
+  auto work = std::make_shared<Work>();
+  auto run = [=]() {
+    for (;;) {
+      const int64_t i = work->next.fetch_add(1);
+      if (i >= n) return;
+      fn(i);
+      work->done.fetch_add(1);
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n) - 1;
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule(decltype(run)(run));
+  run();
+  while (work->done.load() < n) std::this_thread::yield();
+}
+
+ffi::Error CausalAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                           ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> pos,
+                           ffi::ResultBuffer<ffi::F32> o, int64_t window, float scale) {
+  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), pd = pos.dimensions();
+  if (qd.size() != 5 || kd.size() != 4 || vd.size() != 4 || pd.size() != 2)
+    return ffi::Error::InvalidArgument("causal_attention: q [B,K,G,T,H], k, v [B,K,T,H], pos [B,T]");
+  Shape s{qd[0], qd[1], qd[2], qd[3], qd[4], 0, window, scale};
+  s.Tp = (s.T + kKeys - 1) / kKeys * kKeys;
+  for (int i = 0; i < 4; ++i) {
+    const int64_t want = i == 2 ? s.T : (i == 3 ? s.H : qd[i]);
+    if (kd[i] != want || vd[i] != want)
+      return ffi::Error::InvalidArgument("causal_attention: k and v must be [B, K, T, H]");
+  }
+  if (pd[0] != s.B || pd[1] != s.T)
+    return ffi::Error::InvalidArgument("causal_attention: pos must be [B, T]");
+  if (s.H % (kPvVecs * kLanes) != 0 || s.H > kMaxHead)
+    return ffi::Error::InvalidArgument("causal_attention: the head dimension must be a multiple of 64, at most 256");
+  const int64_t BK = s.B * s.K;
+  std::vector<float> kt(static_cast<size_t>(BK * s.H * s.Tp));
+  const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data();
+  const int32_t* pp = pos.typed_data();
+  float* op = o->typed_data();
+  ParallelFor(pool, BK, [&](int64_t bk) {
+    Transpose(kp + bk * s.T * s.H, kt.data() + bk * s.H * s.Tp, s);
+  });
+  // Items: (group, b, k, g), the groups of the latest positions (the most keys) first.
+  const int64_t groups = (s.T + kRows - 1) / kRows, heads = BK * s.G;
+  ParallelFor(pool, groups * heads, [&](int64_t item) {
+    const int64_t t0 = (groups - 1 - item / heads) * kRows, head = item % heads;
+    const int64_t bk = head / s.G, b = bk / s.K;
+    Group(qp + head * s.T * s.H, kt.data() + bk * s.H * s.Tp, vp + bk * s.T * s.H,
+          pp + b * s.T, op + head * s.T * s.H, t0, s);
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvCausalAttentionF32, CausalAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("window")
+                                  .Attr<float>("scale"));
