@@ -35,10 +35,11 @@ import jax.numpy as jnp
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 ATTENTION_IMPLEMENTATIONS = ("xla", "kernel")
-"""How a decode step attends over the cache: ``xla`` (jax.numpy, every backend) or ``kernel``
-(``jaxkv.model.cache_kernel``, a compiled CPU kernel that reads each cached key and value
-once, float32, float16 or int8, and returns the slots' probabilities when the cache's
-statistics need them)."""
+"""How a decode step attends over the cache, and a prompt over itself: ``xla`` (jax.numpy,
+every backend) or ``kernel`` (``jaxkv.model.cache_kernel``, compiled CPU kernels: decode
+steps read each cached key and value once, float32, float16 or int8, and return the slots'
+probabilities when the cache's statistics need them; a float32 prompt with a head size that
+is a multiple of 64 goes through a flash-style causal kernel)."""
 MATMUL_IMPLEMENTATIONS = ("xla", "kernel")
 """How a decode step with 2-16 rows (a batch) multiplies by the layers' weights: ``xla``, or
 ``kernel`` (``jaxkv.model.cache_kernel.stacked_matmul``, a compiled CPU kernel that reads

@@ -24,6 +24,7 @@ Markdown tables that ``results/profile_decode.md`` quotes):
     .venv/bin/python scripts/profile_decode.py stats --batch 8 [--stat-cache 1040,1105,65]
     .venv/bin/python scripts/profile_decode.py perlayer --decode 1:4096,8:4096 [--dtype out-first]
     .venv/bin/python scripts/profile_decode.py kernel --decode 1:4096,8:4096 [--kv-dtype float16]
+    .venv/bin/python scripts/profile_decode.py prefill --prefill 1:512,1:2048
 
 ``--dtype int8`` does the same for the int8-weight model (``jaxkv.model.weights_int8``):
 "old" is then the int8 path before "After int8 weights" (``_old_int8_*``: qwix QArrays in
@@ -44,6 +45,9 @@ decode steps. ``matmul`` times the weights alone (every layer's seven projection
 ``lax.scan`` over the layers, then the output head) for ``--batch`` rows: float32 weights
 canonical and out-first through XLA, out-first through ``config.matmul="kernel"``
 (``cache_kernel.stacked_matmul``), int8 weights through XLA and the kernel, in turns.
+``prefill`` times a prompt's attention alone over every layer, XLA's blocks against
+``cache_kernel.causal_attention``, then whole prefills with ``config.attention`` "xla" and
+"kernel", in turns.
 """
 
 from __future__ import annotations
@@ -678,6 +682,66 @@ def _attention_pieces(config, batch, ctx, dtype) -> dict:
     return calls
 
 
+def prefill_piece(config, rows, reps):
+    """A prompt's attention alone over every layer (random q, k, v; a ``lax.scan`` over the
+    layers), XLA's blocks (``layers.causal_block_attention``) against
+    ``cache_kernel.causal_attention``, in turns: rows (batch, tokens, xla ms, kernel ms,
+    kernel GFLOP/s of the causal work, 4 * T^2 / 2 * H per query head and layer)."""
+    L, K, G, H = config.n_layers, config.n_kv_heads, config.q_per_kv, config.head_dim
+    out = []
+    for batch, n in rows:
+        t = in_turns(_prompt_attention_pieces(config, batch, n), reps)
+        ms = {name: 1e3 * _med(times) for name, times in t.items()}
+        flops = 4 * n * n / 2 * H * L * batch * K * G
+        out.append((batch, n, ms["xla"], ms["kernel"], flops / ms["kernel"] / 1e6))
+        print(out[-1], flush=True)
+    return out
+
+
+def _prompt_attention_pieces(config, batch, n) -> dict:
+    """``prefill_piece``'s two programs on random queries, keys and values, compiled."""
+    L, K, G, H = config.n_layers, config.n_kv_heads, config.q_per_kv, config.head_dim
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.normal(size=(L, batch, K, G, n, H)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(L, batch, K, n, H)), jnp.float32) for _ in "kv")
+    pos = decoder.prompt_positions(jnp.zeros((batch, n), jnp.int32), None)
+    window = config.sliding_window
+
+    def xla_layer(qkv):
+        return layers.causal_block_attention(*qkv, pos, window=window, block=decoder.PREFILL_BLOCK)[
+            0
+        ]
+
+    def kernel_layer(qkv):
+        return cache_kernel.causal_attention(*qkv, pos, window=window)
+
+    calls = {}
+    for name, one in (("xla", xla_layer), ("kernel", kernel_layer)):
+
+        def run(q, k, v, one=one):
+            body = lambda acc, qkv: (acc + one(qkv).sum(), None)  # noqa: E731
+            return jax.lax.scan(body, 0.0, (q, k, v))[0]
+
+        calls[name] = functools.partial(_block, jax.jit(run), q, k, v)
+        calls[name]()  # compiled before the turns
+    return calls
+
+
+def prefill_compare(model, rows, reps):
+    """Whole prefills with ``config.attention`` "xla" and "kernel", in turns: rows (batch,
+    tokens, xla median ms, kernel median ms, paired speed-up)."""
+    out = []
+    for batch, n in rows:
+        fns = {a: Prefiller(_with_attention(model, a), "new", batch, n) for a in ("xla", "kernel")}
+        for f in fns.values():
+            f()  # compiled before the turns
+        t = in_turns(fns, reps)
+        out.append((batch, n, 1e3 * _med(t["xla"]), 1e3 * _med(t["kernel"])))
+        out[-1] += (_paired(t["xla"], t["kernel"]),)
+        print(out[-1], flush=True)
+    return out
+
+
 def matmul_piece(model, rows, reps):
     """The weights alone for ``rows`` rows (``matmul_pieces``), in turns: {name: (median ms,
     GB/s of weights read)}."""
@@ -1068,6 +1132,7 @@ def main():
             "perlayer",
             "kernel",
             "matmul",
+            "prefill",
         ],
     )
     ap.add_argument("--batch", type=int, default=1)
@@ -1182,6 +1247,19 @@ def main():
             print(
                 f"decode step, batch {b} context {ctx}: xla {x:.1f} ms, kernel {k:.1f} ms,"
                 f" paired {up:.3f}x"
+            )
+        print(open("/proc/loadavg").read().strip())
+    elif args.what == "prefill":
+        print(open("/proc/loadavg").read().strip())
+        for b, n, x, k, gflops in prefill_piece(model.config, args.prefill, args.reps):
+            print(
+                f"prompt attention alone, batch {b}, {n} tokens, 30 layers: xla {x:.1f} ms,"
+                f" kernel {k:.1f} ms ({gflops:.0f} GFLOP/s)"
+            )
+        for b, n, x, k, up in prefill_compare(model, args.prefill, args.reps):
+            print(
+                f"prefill, batch {b}, {n} tokens: xla {x:.0f} ms ({b * n / x * 1e3:.0f} tokens/s),"
+                f" kernel {k:.0f} ms ({b * n / k * 1e3:.0f} tokens/s), paired {up:.3f}x"
             )
         print(open("/proc/loadavg").read().strip())
     elif args.what == "matmul":

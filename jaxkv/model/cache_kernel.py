@@ -1,6 +1,7 @@
-"""Compiled CPU kernels for decode steps: attention over one layer of the stacked KV cache
+"""Compiled CPU kernels: for decode steps, attention over one layer of the stacked KV cache
 (``cache_attention``) and few-row matmuls with one layer of the stacked weights
-(``stacked_matmul``), each reading the stacked arrays in place.
+(``stacked_matmul``), each reading the stacked arrays in place; for prompts, causal
+self-attention without T x T scores in memory (``causal_attention``).
 
 XLA:CPU reads the cache at about half the machine's memory bandwidth in a decode step: the
 score dots of the G query heads of a KV head each read that head's keys (G passes), and the
@@ -11,6 +12,10 @@ cached key and value once, for all the query rows of its KV head, straight out o
 copied), on XLA's intra-op threads. ``csrc/stacked_matmul.cc`` does the same for the weights
 of a decode step with 2-16 rows (a batch of sequences), where XLA:CPU copies each layer's
 slice of the stacked weights out before its dot (``jaxkv.model.weights_int8.LayerWeight``).
+XLA computes a prompt's attention in blocks of queries whose scores go through memory
+several times (``layers.causal_block_attention``); ``csrc/causal_attention.cc`` keeps each
+group of queries' scores in registers and its softmax online, and masks only the blocks on
+the diagonal (results/profile_decode.md, "Session 45").
 
 The kernels are built (one library) on first use (about 10 s) with the machine's C++
 compiler (``$CXX``, else ``c++``), for the machine's own CPU, into

@@ -20,7 +20,8 @@ new tokens attend over the cache through ``jaxkv.model.cache_kernel``, a compile
 that reads the stacked cache in place, each key and value once (results/profile_decode.md,
 "Session 43"); with ``config.matmul == "kernel"`` a step of 2-16 rows multiplies by each
 layer's out-first weights through ``cache_kernel.stacked_matmul``, which reads them in place
-too (``weights_int8.LayerWeight``; "Session 44").
+too (``weights_int8.LayerWeight``; "Session 44"); and a prompt's causal self-attention
+goes through ``cache_kernel.causal_attention``, flash-style ("Session 45").
 """
 
 from __future__ import annotations

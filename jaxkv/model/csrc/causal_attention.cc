@@ -46,6 +46,7 @@ constexpr int kRows = 4;
 constexpr int kPvRows = 2;
 #endif
 constexpr int kKeys = 2 * kLanes;  // keys per block: two vectors of scores per row
+constexpr int kGroupRows = 2 * kRows;  // rows (positions x query heads) per work item
 constexpr int kPvVecs = 4;         // head-dimension vectors per pass of the value update
 constexpr int kMaxHead = 256;
 constexpr float kNegInf = -1e30f;
@@ -104,6 +105,7 @@ inline vf vexp_nonpositive(vf x) {
 
 struct Shape {
   int64_t B, K, G, T, H, Tp;  // Tp: T rounded up to kKeys (the transposed keys' row length)
+  int64_t P;                  // query positions per work item (all G heads of each)
   int64_t window;             // 0: none
   float scale;
 };
@@ -147,7 +149,7 @@ inline void Scores(const float* __restrict q, const float* __restrict kt, int64_
 
 // Rows [r0, r0 + kPvRows) of acc [kRows, H] += p [kRows, kKeys] (their first n keys) @ v.
 inline void AddValues(float* __restrict acc, const float* __restrict p, const float* v, int n,
-                      int r0, int64_t H) {
+                      int64_t r0, int64_t H) {
   for (int64_t h0 = 0; h0 < H; h0 += kPvVecs * kLanes) {
     vf a[kPvRows][kPvVecs];
     for (int r = 0; r < kPvRows; ++r)
@@ -165,30 +167,33 @@ inline void AddValues(float* __restrict acc, const float* __restrict p, const fl
   }
 }
 
-// Query positions [t0, t0 + kRows) of head (b, k, g): their outputs into o.
+// Query positions [t0, t0 + s.P) of every query head of KV head (b, k) (q [G, T, H] and o
+// [G, T, H] of that KV head): G * P rows, row i * G + g for position t0 + i and head g, in
+// chunks of kRows (the last padded with rows that see nothing). Every chunk's scores come
+// from the same block of keys while it is in L1, and the group's rows share one key range.
 void Group(const float* q, const float* kt, const float* v, const int32_t* pos, float* o,
            int64_t t0, const Shape& s) {
-  const int64_t H = s.H, n = std::min<int64_t>(kRows, s.T - t0);
-  alignas(64) float qs[kMaxHead * kRows];  // [H, kRows]
-  alignas(64) float acc[kRows * kMaxHead] = {};
-  alignas(64) float p[kRows * kKeys];
-  float m[kRows];
-  vf l[kRows];
-  int32_t qp[kRows];
+  const int64_t H = s.H, G = s.G, rows = G * s.P;
+  const int64_t padded = (rows + kRows - 1) / kRows * kRows;
+  std::vector<float> qs(padded * H, 0.0f), acc(padded * H, 0.0f), p(padded * kKeys);
+  std::vector<float> m(padded, kNegInf);
+  std::vector<vf> l(padded, vf{});
+  std::vector<int32_t> qp(padded, -1);
   int32_t lo_pos = INT32_MAX, hi_pos = -1;
-  for (int r = 0; r < kRows; ++r) {
-    const bool real = r < n;
-    qp[r] = real ? pos[t0 + r] : -1;
-    for (int64_t h = 0; h < H; ++h) qs[h * kRows + r] = real ? q[(t0 + r) * H + h] * s.scale : 0.0f;
-    m[r] = kNegInf;
-    l[r] = vf{};
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t t = t0 + r / G, g = r % G;
+    if (t >= s.T) continue;
+    qp[r] = pos[t];
+    float* chunk = qs.data() + (r / kRows) * H * kRows + r % kRows;  // [H, kRows] per chunk
+    for (int64_t h = 0; h < H; ++h) chunk[h * kRows] = q[(g * s.T + t) * H + h] * s.scale;
     if (qp[r] >= 0) lo_pos = std::min(lo_pos, qp[r]), hi_pos = std::max(hi_pos, qp[r]);
   }
   const int64_t hi = std::min<int64_t>(s.T, int64_t{hi_pos} + 1);  // keys [lo, hi) at most
   int64_t lo = 0;
   if (s.window > 0 && hi_pos >= 0) lo = std::max<int64_t>(0, lo_pos - s.window + 1);
   for (int64_t j0 = lo - lo % kKeys; j0 < hi; j0 += kKeys) {
-    Scores(qs, kt + j0 * H, H, p);  // p: the block's scores, then its exponentials
+    for (int64_t c = 0; c < padded; c += kRows)  // p: the block's scores, then exponentials
+      Scores(qs.data() + c * H, kt + j0 * H, H, p.data() + c * kKeys);
     const int nk = static_cast<int>(std::min<int64_t>(kKeys, s.T - j0));
     const bool edge = j0 + kKeys - 1 > lo_pos || nk < kKeys ||
                       (s.window > 0 && j0 <= hi_pos - s.window);
@@ -198,8 +203,8 @@ void Group(const float* q, const float* kt, const float* v, const int32_t* pos, 
       for (int c = 0; c < kKeys; ++c) kb[c] = c < nk ? pos[j0 + c] : -1;
       std::memcpy(kp, kb, sizeof(kp));
     }
-    for (int r = 0; r < kRows; ++r) {
-      float* pr = p + r * kKeys;
+    for (int64_t r = 0; r < padded; ++r) {
+      float* pr = p.data() + r * kKeys;
       if (qp[r] < 0) {  // padding (or past the prompt's end): sees nothing
         std::fill(pr, pr + kKeys, 0.0f);
         continue;
@@ -224,11 +229,14 @@ void Group(const float* q, const float* kt, const float* v, const int32_t* pos, 
       store(pr, e0);
       store(pr + kLanes, e1);
     }
-    for (int r0 = 0; r0 < kRows; r0 += kPvRows) AddValues(acc, p, v + j0 * H, nk, r0, H);
+    for (int64_t r0 = 0; r0 < padded; r0 += kPvRows)
+      AddValues(acc.data(), p.data(), v + j0 * H, nk, r0, H);
   }
-  for (int r = 0; r < n; ++r) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t t = t0 + r / G, g = r % G;
+    if (t >= s.T) continue;
     const float inv = 1.0f / std::max(hsum(l[r]), 1e-30f);
-    for (int64_t h = 0; h < H; ++h) o[(t0 + r) * H + h] = acc[r * H + h] * inv;
+    for (int64_t h = 0; h < H; ++h) o[(g * s.T + t) * H + h] = acc[r * H + h] * inv;
   }
 }
 
@@ -260,8 +268,9 @@ ffi::Error CausalAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), pd = pos.dimensions();
   if (qd.size() != 5 || kd.size() != 4 || vd.size() != 4 || pd.size() != 2)
     return ffi::Error::InvalidArgument("causal_attention: q [B,K,G,T,H], k, v [B,K,T,H], pos [B,T]");
-  Shape s{qd[0], qd[1], qd[2], qd[3], qd[4], 0, window, scale};
+  Shape s{qd[0], qd[1], qd[2], qd[3], qd[4], 0, 0, window, scale};
   s.Tp = (s.T + kKeys - 1) / kKeys * kKeys;
+  s.P = std::max<int64_t>(1, kGroupRows / s.G);
   for (int i = 0; i < 4; ++i) {
     const int64_t want = i == 2 ? s.T : (i == 3 ? s.H : qd[i]);
     if (kd[i] != want || vd[i] != want)
@@ -279,13 +288,15 @@ ffi::Error CausalAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   ParallelFor(pool, BK, [&](int64_t bk) {
     Transpose(kp + bk * s.T * s.H, kt.data() + bk * s.H * s.Tp, s);
   });
-  // Items: (group, b, k, g), the groups of the latest positions (the most keys) first.
-  const int64_t groups = (s.T + kRows - 1) / kRows, heads = BK * s.G;
-  ParallelFor(pool, groups * heads, [&](int64_t item) {
-    const int64_t t0 = (groups - 1 - item / heads) * kRows, head = item % heads;
-    const int64_t bk = head / s.G, b = bk / s.K;
-    Group(qp + head * s.T * s.H, kt.data() + bk * s.H * s.Tp, vp + bk * s.T * s.H,
-          pp + b * s.T, op + head * s.T * s.H, t0, s);
+  // Items: (b, k, group), each KV head's groups together (its transposed keys and values,
+  // 2 * T * H floats, stay in the cores' L2 while they work on it), the groups of the latest
+  // positions (the most keys) first.
+  const int64_t groups = (s.T + s.P - 1) / s.P;
+  ParallelFor(pool, groups * BK, [&](int64_t item) {
+    const int64_t t0 = (groups - 1 - item % groups) * s.P, bk = item / groups, b = bk / s.K;
+    const int64_t head = bk * s.G * s.T * s.H;
+    Group(qp + head, kt.data() + bk * s.H * s.Tp, vp + bk * s.T * s.H, pp + b * s.T, op + head,
+          t0, s);
   });
   return ffi::Error::Success();
 }
