@@ -616,17 +616,24 @@ def _with_attention(model, attention: str):
 def kernel_compare(model, kv_dtype, rows, reps):
     """Decode ms/token with ``config.attention`` "xla" and "kernel" (``cache_kernel``), in
     turns: rows (batch, context, xla median, kernel median, paired speed-up)."""
+
+    def make(attention, batch, ctx):
+        return Decoder(_with_attention(model, attention), "new", batch, ctx, kv_dtype=kv_dtype)
+
+    return _xla_vs_kernel(rows, reps, make)
+
+
+def _xla_vs_kernel(rows, reps, make):
+    """``make(attention, batch, n)`` (a call) for "xla" and "kernel", compiled, then in turns:
+    rows (batch, n, xla median ms, kernel median ms, paired speed-up)."""
     out = []
-    for batch, ctx in rows:
-        fns = {
-            a: Decoder(_with_attention(model, a), "new", batch, ctx, kv_dtype=kv_dtype)
-            for a in ("xla", "kernel")
-        }
+    for batch, n in rows:
+        fns = {a: make(a, batch, n) for a in ("xla", "kernel")}
         for f in fns.values():
             f()  # compiled before the turns
         t = in_turns(fns, reps)
-        out.append((batch, ctx, 1e3 * _med(t["xla"]), 1e3 * _med(t["kernel"])))
-        out[-1] += (_paired(t["xla"], t["kernel"]),)
+        ms = (1e3 * _med(t["xla"]), 1e3 * _med(t["kernel"]))
+        out.append((batch, n, *ms, _paired(t["xla"], t["kernel"])))
         print(out[-1], flush=True)
     return out
 
@@ -730,16 +737,11 @@ def _prompt_attention_pieces(config, batch, n) -> dict:
 def prefill_compare(model, rows, reps):
     """Whole prefills with ``config.attention`` "xla" and "kernel", in turns: rows (batch,
     tokens, xla median ms, kernel median ms, paired speed-up)."""
-    out = []
-    for batch, n in rows:
-        fns = {a: Prefiller(_with_attention(model, a), "new", batch, n) for a in ("xla", "kernel")}
-        for f in fns.values():
-            f()  # compiled before the turns
-        t = in_turns(fns, reps)
-        out.append((batch, n, 1e3 * _med(t["xla"]), 1e3 * _med(t["kernel"])))
-        out[-1] += (_paired(t["xla"], t["kernel"]),)
-        print(out[-1], flush=True)
-    return out
+
+    def make(attention, batch, n):
+        return Prefiller(_with_attention(model, attention), "new", batch, n)
+
+    return _xla_vs_kernel(rows, reps, make)
 
 
 def matmul_piece(model, rows, reps):

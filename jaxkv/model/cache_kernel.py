@@ -47,6 +47,8 @@ import numpy as np
 from jaxkv.paths import cache_dir
 
 SOURCES = tuple(sorted((Path(__file__).parent / "csrc").glob("*.cc")))
+HEADERS = tuple(sorted((Path(__file__).parent / "csrc").glob("*.h")))
+"""What the sources include (``csrc/simd.h``): part of the build key, not compiled alone."""
 _SUFFIX = {jnp.dtype(jnp.float32): "f32", jnp.dtype(jnp.float16): "f16", jnp.dtype(jnp.int8): "s8"}
 _SYMBOLS = (
     {  # FFI target: the library's symbol
@@ -121,7 +123,7 @@ def _load() -> tuple[bool, str]:
     """Builds (once per machine) and registers the kernels: (available, why not)."""
     if jax.default_backend() != "cpu":
         return False, f"the kernel is for the CPU backend, not {jax.default_backend()}"
-    key = _build_key(b"".join(p.name.encode() + p.read_bytes() for p in SOURCES))
+    key = _build_key(b"".join(p.name.encode() + p.read_bytes() for p in SOURCES + HEADERS))
     lib_path = _kernel_dir() / f"kernels_{key}.so"
     try:
         if not lib_path.exists():

@@ -24,38 +24,17 @@
 #include <thread>
 #include <vector>
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
-
+#include "simd.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
+using namespace jaxkv_simd;
+
 constexpr float kNegInf = -1e30f;
 constexpr int64_t kChunk = 512;  // slots per work item (128 KB of float32 keys at H = 64)
-
-// exp(x) for x <= 0 (scores minus their maximum), vectorizable: 2^n * p(r) with
-// x = n ln 2 + r, |r| <= ln2 / 2, p a degree-6 Taylor polynomial (relative error < 2e-7);
-// arguments below -87 give 0.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  const float r = x - n * 0.693145751953125f - n * 1.42860682030941723e-06f;
-  float p = 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
 
 template <typename T>
 inline float widen(T x) {
@@ -169,49 +148,10 @@ void chunk_attention(const Shape& s, const float* __restrict q, const int32_t* _
 // registers; with AVX2's 16 they would spill, so there the queries are read from L1 for every
 // slot and the outputs are accumulated one vector of the head at a time.
 #if defined(__AVX512F__)
-constexpr int kLanes = 16;
 constexpr bool kWideRegisters = true;
 #else
-constexpr int kLanes = 8;
 constexpr bool kWideRegisters = false;
 #endif
-typedef float vf __attribute__((vector_size(4 * kLanes)));
-
-inline vf loadv(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline vf loadv(const uint16_t* p) {  // float16 storage, widened by the CPU's F16C
-  vf v;
-#if defined(__AVX512F__)
-  const __m512 w = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  std::memcpy(&v, &w, sizeof(v));
-#elif defined(__F16C__)
-  const __m256 w = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  std::memcpy(&v, &w, sizeof(v));
-#else
-  for (int u = 0; u < kLanes; ++u) v[u] = widen(p[u]);
-#endif
-  return v;
-}
-
-inline vf loadv(const int8_t* p) {  // int8 storage, widened
-  vf v;
-#if defined(__AVX512F__)
-  const __m512 w = _mm512_cvtepi32_ps(
-      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-  std::memcpy(&v, &w, sizeof(v));
-#elif defined(__AVX2__)
-  const __m256 w = _mm256_cvtepi32_ps(
-      _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-  std::memcpy(&v, &w, sizeof(v));
-#else
-  for (int u = 0; u < kLanes; ++u) v[u] = static_cast<float>(p[u]);
-#endif
-  return v;
-}
 
 // The four sums of a, b, c, d (lanes 0-3 of the result hold them; the rest is junk).
 #if defined(__AVX512F__)
@@ -260,11 +200,11 @@ void chunk_fixed(const Shape& s, const float* __restrict q, const int32_t* __res
   vf qv[kWideRegisters ? kR : 1][kWideRegisters ? kV : 1];
   if constexpr (kWideRegisters) {
     for (int r = 0; r < kR; ++r)
-      for (int j = 0; j < kV; ++j) qv[r][j] = loadv(q + r * kH + kLanes * j);
+      for (int j = 0; j < kV; ++j) qv[r][j] = load(q + r * kH + kLanes * j);
   }
   auto query = [&](int r, int j) {
     if constexpr (kWideRegisters) return qv[r][j];
-    return loadv(q + r * kH + kLanes * j);
+    return load(q + r * kH + kLanes * j);
   };
   int64_t c = 0;
   for (; c + 4 <= n; c += 4) {
@@ -274,14 +214,14 @@ void chunk_fixed(const Shape& s, const float* __restrict q, const int32_t* __res
     const KV* k3 = k2 + kH;
     for (int r = 0; r < kR; ++r) {
       vf q0 = query(r, 0);
-      vf a = q0 * loadv(k0), b = q0 * loadv(k1);
-      vf cc = q0 * loadv(k2), d = q0 * loadv(k3);
+      vf a = q0 * load(k0), b = q0 * load(k1);
+      vf cc = q0 * load(k2), d = q0 * load(k3);
       for (int j = 1; j < kV; ++j) {
         const vf qj = query(r, j);
-        a += qj * loadv(k0 + kLanes * j);
-        b += qj * loadv(k1 + kLanes * j);
-        cc += qj * loadv(k2 + kLanes * j);
-        d += qj * loadv(k3 + kLanes * j);
+        a += qj * load(k0 + kLanes * j);
+        b += qj * load(k1 + kLanes * j);
+        cc += qj * load(k2 + kLanes * j);
+        d += qj * load(k3 + kLanes * j);
       }
       vf t = sum4(a, b, cc, d);
       for (int u = 0; u < 4; ++u) scores[r * n + c + u] = t[u];
@@ -290,8 +230,8 @@ void chunk_fixed(const Shape& s, const float* __restrict q, const int32_t* __res
   for (; c < n; ++c) {
     const KV* kc = keys + (c0 + c) * kH;
     for (int r = 0; r < kR; ++r) {
-      vf a = query(r, 0) * loadv(kc);
-      for (int j = 1; j < kV; ++j) a += query(r, j) * loadv(kc + kLanes * j);
+      vf a = query(r, 0) * load(kc);
+      for (int j = 1; j < kV; ++j) a += query(r, j) * load(kc + kLanes * j);
       float dot = 0.0f;
       for (int u = 0; u < kLanes; ++u) dot += a[u];
       scores[r * n + c] = dot;
@@ -316,7 +256,7 @@ void chunk_fixed(const Shape& s, const float* __restrict q, const int32_t* __res
     for (int64_t c = 0; c < n; ++c) {
       const KV* vc = values + (c0 + c) * kH;
       vf vv[kV];
-      for (int j = 0; j < kV; ++j) vv[j] = loadv(vc + kLanes * j);
+      for (int j = 0; j < kV; ++j) vv[j] = load(vc + kLanes * j);
       const float v_scale = vs ? vs[c0 + c] : 1.0f;
       for (int r = 0; r < kR; ++r) {
         const float p = scores[r * n + c] * v_scale;
@@ -333,7 +273,7 @@ void chunk_fixed(const Shape& s, const float* __restrict q, const int32_t* __res
     for (int j = 0; j < kV; ++j) {
       vf av[kR] = {};
       for (int64_t c = 0; c < n; ++c) {
-        const vf vv = loadv(values + (c0 + c) * kH + kLanes * j);
+        const vf vv = load(values + (c0 + c) * kH + kLanes * j);
         for (int r = 0; r < kR; ++r) av[r] += scores[r * n + c] * vv;
       }
       for (int r = 0; r < kR; ++r) std::memcpy(acc + r * kH + kLanes * j, &av[r], sizeof(vf));
@@ -393,13 +333,7 @@ ffi::Error Attend(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::Buffer<f
   const int64_t n_items = s.B * s.K * n_chunks;
   // per item: R maxima, R sums, R * H outputs
   const int64_t per_item = s.R * (2 + s.H);
-  struct Work {
-    std::vector<float> partial;
-    std::atomic<int64_t> next{0};
-    std::atomic<int64_t> done{0};
-  };
-  auto work = std::make_shared<Work>();
-  work->partial.resize(n_items * per_item);
+  std::vector<float> partial(n_items * per_item);
   const float* qd_ = q.typed_data();
   const int32_t* pos = qpos.typed_data();
   const KV* kbase = keys.typed_data() + s.layer * s.B * s.K * s.C * s.H;
@@ -409,33 +343,23 @@ ffi::Error Attend(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::Buffer<f
   const float* vsbase = v_scale ? v_scale + s.layer * s.B * s.K * s.C : nullptr;
 
   const ChunkFn<KV> chunk_fn = pick<KV>(s);
-  auto run = [s, work, n_items, n_chunks, per_item, qd_, pos, kbase, vbase, kpbase, chunk_fn,
-              probs, ksbase, vsbase]() {
+  ParallelFor(pool, n_items, [&](int64_t i) {
     std::vector<int32_t> rowpos(s.R);
-    for (;;) {
-      const int64_t i = work->next.fetch_add(1);
-      if (i >= n_items) return;
-      const int64_t bk = i / n_chunks, chunk = i % n_chunks, b = bk / s.K;
-      for (int64_t r = 0; r < s.R; ++r) rowpos[r] = pos[b * s.T + r % s.T];
-      const int64_t c0 = chunk * kChunk, c1 = std::min(s.C, c0 + kChunk);
-      float* part = work->partial.data() + i * per_item;
-      chunk_fn(s, qd_ + bk * s.R * s.H, rowpos.data(), kbase + bk * s.C * s.H,
-               vbase + bk * s.C * s.H, kpbase + bk * s.C, c0, c1, part, part + s.R,
-               part + 2 * s.R, probs == nullptr ? nullptr : probs + bk * s.R * s.C,
-               ksbase ? ksbase + bk * s.C : nullptr, vsbase ? vsbase + bk * s.C : nullptr);
-      work->done.fetch_add(1);
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n_items) - 1;
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule(decltype(run)(run));
-  run();
-  while (work->done.load() < n_items) std::this_thread::yield();
+    const int64_t bk = i / n_chunks, chunk = i % n_chunks, b = bk / s.K;
+    for (int64_t r = 0; r < s.R; ++r) rowpos[r] = pos[b * s.T + r % s.T];
+    const int64_t c0 = chunk * kChunk, c1 = std::min(s.C, c0 + kChunk);
+    float* part = partial.data() + i * per_item;
+    chunk_fn(s, qd_ + bk * s.R * s.H, rowpos.data(), kbase + bk * s.C * s.H,
+             vbase + bk * s.C * s.H, kpbase + bk * s.C, c0, c1, part, part + s.R,
+             part + 2 * s.R, probs == nullptr ? nullptr : probs + bk * s.R * s.C,
+             ksbase ? ksbase + bk * s.C : nullptr, vsbase ? vsbase + bk * s.C : nullptr);
+  });
 
   // Merge the chunks of each row: weights exp(m_chunk - m) of their partial sums and outputs.
   std::vector<float> w(n_chunks);
   for (int64_t bk = 0; bk < s.B * s.K; ++bk) {
     for (int64_t r = 0; r < s.R; ++r) {
-      const float* parts = work->partial.data() + bk * n_chunks * per_item;
+      const float* parts = partial.data() + bk * n_chunks * per_item;
       float top = kNegInf;
       for (int64_t c = 0; c < n_chunks; ++c) top = std::max(top, parts[c * per_item + r]);
       float sum = 0.0f;

@@ -18,30 +18,24 @@
 // no key gets an all-zero output, as XLA's masked softmax gives it.
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
 #include <vector>
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
-
+#include "simd.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
+using namespace jaxkv_simd;
+
 #if defined(__AVX512F__)
-constexpr int kLanes = 16;
-constexpr int kRows = 12;  // query rows per group: 2 * kRows score vectors in registers
+constexpr int kRows = 12;  // query rows per chunk: 2 * kRows score vectors in registers
 constexpr int kPvRows = 4;  // rows per pass of the value update (kPvRows * 4 accumulators)
 #else
-constexpr int kLanes = 8;
 constexpr int kRows = 4;
 constexpr int kPvRows = 2;
 #endif
@@ -51,15 +45,6 @@ constexpr int kPvVecs = 4;         // head-dimension vectors per pass of the val
 constexpr int kMaxHead = 256;
 constexpr float kNegInf = -1e30f;
 
-typedef float vf __attribute__((vector_size(4 * kLanes)));
-typedef int32_t vi __attribute__((vector_size(4 * kLanes)));
-
-inline vf load(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
 inline vf splat(float x) { return vf{} + x; }
 inline vf vmax(vf a, vf b) { return a > b ? a : b; }
 inline float hmax(vf v) {
@@ -74,33 +59,6 @@ inline float hmax(vf v) {
   for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
   return m;
 #endif
-}
-inline float hsum(vf v) {
-  float s = 0.0f;
-  for (int i = 0; i < kLanes; ++i) s += v[i];
-  return s;
-}
-
-// exp(x) for x <= 0 on every lane: 2^n * p(r) with x = n ln 2 + r, |r| <= ln 2 / 2 and p a
-// degree-6 Taylor polynomial (relative error < 2e-7); lanes below -87 (a hidden key's score
-// minus a visible maximum) give exactly 0.
-inline vf vexp_nonpositive(vf x) {
-  const vi under = x < -87.0f;
-  x = vmax(x, splat(-87.0f));
-  const vf magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
-  const vf t = x * 1.44269504088896341f + magic;
-  const vf n = t - magic;
-  const vf r = x - n * 0.693145751953125f - n * 1.42860682030941723e-06f;
-  vf p = splat(1.0f / 720.0f);
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const vi bits = (((vi)t - (vi)magic) + 127) << 23;
-  const vf e = p * (vf)bits;
-  return under ? vf{} : e;
 }
 
 struct Shape {
@@ -224,7 +182,7 @@ void Group(const float* q, const float* kt, const float* v, const int32_t* pos, 
         l[r] *= alpha;
         m[r] = top;
       }
-      const vf e0 = vexp_nonpositive(sc[0] - m[r]), e1 = vexp_nonpositive(sc[1] - m[r]);
+      const vf e0 = exp_nonpositive(sc[0] - m[r]), e1 = exp_nonpositive(sc[1] - m[r]);
       l[r] += e0 + e1;
       store(pr, e0);
       store(pr + kLanes, e1);
@@ -238,28 +196,6 @@ void Group(const float* q, const float* kt, const float* v, const int32_t* pos, 
     const float inv = 1.0f / std::max(hsum(l[r]), 1e-30f);
     for (int64_t h = 0; h < H; ++h) o[(g * s.T + t) * H + h] = acc[r * H + h] * inv;
   }
-}
-
-// fn(i) for i in [0, n) on the calling thread and XLA's pool; returns when all are done.
-template <typename Fn>
-void ParallelFor(ffi::ThreadPool& pool, int64_t n, Fn fn) {
-  struct Work {
-    std::atomic<int64_t> next{0};
-    std::atomic<int64_t> done{0};
-  };
-  auto work = std::make_shared<Work>();
-  auto run = [=]() {
-    for (;;) {
-      const int64_t i = work->next.fetch_add(1);
-      if (i >= n) return;
-      fn(i);
-      work->done.fetch_add(1);
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n) - 1;
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule(decltype(run)(run));
-  run();
-  while (work->done.load() < n) std::this_thread::yield();
 }
 
 ffi::Error CausalAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,

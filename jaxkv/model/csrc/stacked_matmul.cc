@@ -9,56 +9,21 @@
 // length I, kept in vector registers: TO outputs x TT rows per tile), and the output channels
 // are cut into work items that run on XLA's intra-op thread pool. An int8 weight is widened
 // as it is loaded and scaled once per output.
-#include <algorithm>
-#include <atomic>
 #include <cstdint>
-#include <memory>
-#include <thread>
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
-
+#include "simd.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-#if defined(__AVX512F__)
-constexpr int kLanes = 16;
-#else
-constexpr int kLanes = 8;
-#endif
-typedef float vf __attribute__((vector_size(4 * kLanes)));
-typedef int8_t vb __attribute__((vector_size(kLanes)));
+using namespace jaxkv_simd;
 
 constexpr int64_t kRowsPerItem = 32;  // output channels per work item
 
-inline vf load(const float* p) {
-  vf v;
-  __builtin_memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline vf load(const int8_t* p) {  // kLanes int8 values, widened (sign-extended) to float
-#if defined(__AVX512F__)
-  return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
-#elif defined(__AVX2__)
-  return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
-#else
-  vb b;
-  __builtin_memcpy(&b, p, sizeof(b));
-  return __builtin_convertvector(b, vf);
-#endif
-}
 inline float widen1(float x) { return x; }
 inline float widen1(int8_t x) { return static_cast<float>(x); }
-inline float hsum(vf v) {
-  float s = 0.0f;
-  for (int i = 0; i < kLanes; ++i) s += v[i];
-  return s;
-}
-
 // Outputs [o, o + TO) of rows [t, t + TT): TO * TT accumulators of kLanes each, the weight
 // rows read once for the TT rows.
 template <typename W, int TO, int TT>
@@ -112,24 +77,10 @@ ffi::Error Run(ffi::ThreadPool& pool, const float* x, const W* wbase, const floa
   const W* w = wbase + layer * O * I;
   const float* scale = sbase ? sbase + layer * O : nullptr;
   const int64_t n_items = (O + kRowsPerItem - 1) / kRowsPerItem;
-  struct Work {
-    std::atomic<int64_t> next{0};
-    std::atomic<int64_t> done{0};
-  };
-  auto work = std::make_shared<Work>();
-  auto run = [=]() {
-    for (;;) {
-      const int64_t item = work->next.fetch_add(1);
-      if (item >= n_items) return;
-      const int64_t o0 = item * kRowsPerItem, o1 = std::min(O, o0 + kRowsPerItem);
-      Block<W>(x, w, scale, y, T, I, O, o0, o1);
-      work->done.fetch_add(1);
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n_items) - 1;
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule(decltype(run)(run));
-  run();
-  while (work->done.load() < n_items) std::this_thread::yield();
+  ParallelFor(pool, n_items, [&](int64_t item) {
+    const int64_t o0 = item * kRowsPerItem, o1 = std::min(O, o0 + kRowsPerItem);
+    Block<W>(x, w, scale, y, T, I, O, o0, o1);
+  });
   return ffi::Error::Success();
 }
 
