@@ -199,6 +199,8 @@ def test_an_unavailable_kernel_is_a_clear_error(monkeypatch):
     cache = kvcache.init_cache(CFG, batch_size=1, capacity=8)
     with pytest.raises(RuntimeError, match=r"no C\+\+ compiler.*attention=.xla."):
         decoder.decode_step(PARAMS, jnp.zeros((1,), jnp.int32), cache, config=KCFG)
+    with pytest.raises(RuntimeError, match=r"no C\+\+ compiler.*attention=.xla."):
+        decoder.prefill(PARAMS, jnp.zeros((1, 4), jnp.int32), cache, config=KCFG)
 
 
 def test_the_shipped_source_builds_on_a_fresh_machine(tmp_path):

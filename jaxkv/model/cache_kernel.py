@@ -242,7 +242,10 @@ def causal_attention(q_BKGTH, k_BKTH, v_BKTH, pos_BT, *, window):
     if not ok:
         raise RuntimeError(f"the causal attention kernel is unavailable: {why}")
     if not prefill_supported(q_BKGTH):
-        raise ValueError(f"causal_attention takes float32 queries with H % 64 == 0, not {q_BKGTH}")
+        raise ValueError(
+            "causal_attention takes float32 queries with H % 64 == 0 (at most 256), not "
+            f"{q_BKGTH.dtype} with H = {q_BKGTH.shape[-1]}"
+        )
     H = q_BKGTH.shape[-1]
     out = jax.ShapeDtypeStruct(q_BKGTH.shape, jnp.float32)
     call = jax.ffi.ffi_call("jaxkv_causal_attention_f32", out, vmap_method="sequential")

@@ -112,6 +112,7 @@ def _prompt_attention(q, k, v, pos_BT, config: ModelConfig, stat_weights, stat_n
     the full cache); the statistics still come from XLA's blocks, whose unused output XLA
     drops."""
     kernel = config.attention == "kernel" and cache_kernel.prefill_supported(q)
+    kernel = kernel and _require_kernel("attention")
     if kernel and stat_weights is None:
         return cache_kernel.causal_attention(q, k, v, pos_BT, window=config.sliding_window), None
     attn, st = layers.causal_block_attention(
@@ -256,10 +257,15 @@ def _uses_kernel(cache: KVCache, config: ModelConfig) -> bool:
     ``"kernel"`` where the kernel cannot be built raises."""
     if config.attention != "kernel" or not cache_kernel.supports(cache.k.dtype):
         return False
+    return _require_kernel("attention")
+
+
+def _require_kernel(flag: str) -> bool:
+    """True where the compiled kernels can run; else a RuntimeError naming ``config.flag``."""
     if not cache_kernel.available():
         raise RuntimeError(
-            "config.attention='kernel', but the CPU attention kernel is unavailable: "
-            f"{cache_kernel.unavailable_reason()} (use attention='xla')"
+            f"config.{flag}='kernel', but the CPU {flag} kernel is unavailable: "
+            f"{cache_kernel.unavailable_reason()} (use {flag}='xla')"
         )
     return True
 
@@ -271,12 +277,7 @@ def _uses_matmul_kernel(rows: int, config: ModelConfig) -> bool:
     lo, hi = cache_kernel.MATMUL_ROWS
     if config.matmul != "kernel" or not lo <= rows <= hi:
         return False
-    if not cache_kernel.available():
-        raise RuntimeError(
-            "config.matmul='kernel', but the CPU matmul kernel is unavailable: "
-            f"{cache_kernel.unavailable_reason()} (use matmul='xla')"
-        )
-    return True
+    return _require_kernel("matmul")
 
 
 def _layer_weights(stacked: dict, layer) -> dict:
