@@ -111,8 +111,11 @@ def _prompt_attention(q, k, v, pos_BT, config: ModelConfig, stat_weights, stat_n
     with statistics holds the same keys and values as one without, bit for bit (r = 1 equals
     the full cache); the statistics still come from XLA's blocks, whose unused output XLA
     drops."""
-    kernel = config.attention == "kernel" and cache_kernel.prefill_supported(q)
-    kernel = kernel and _require_kernel("attention")
+    kernel = (
+        config.attention == "kernel"
+        and cache_kernel.prefill_supported(q)
+        and _require_kernel("attention")
+    )
     if kernel and stat_weights is None:
         return cache_kernel.causal_attention(q, k, v, pos_BT, window=config.sliding_window), None
     attn, st = layers.causal_block_attention(
