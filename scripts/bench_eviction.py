@@ -291,8 +291,7 @@ def summarize(rows, full_bytes, small_bytes, args, policy_stats, load, paired):
         "|---|---|",
     ]
     lines += [f"| {k} | {v:.1f} |" for k, v in ms.items()]
-    # With k > 1 a compressed call runs k fused steps: against the full cache's k fused steps
-    # (single steps paid dispatch, and on session 47's host ran up to 2x slower in such runs)
+    # k > 1: against the full cache's k fused steps (the module docstring says why)
     full_ms = ms.get("fused_full", ms["full"])
     for gran in args.granularities:
         total = ms[f"compressed_{gran}"]
