@@ -212,6 +212,7 @@ void chunk_fixed(const Shape& s, const float* __restrict q, const int32_t* __res
     const KV* k1 = k0 + kH;
     const KV* k2 = k1 + kH;
     const KV* k3 = k2 + kH;
+    prefetch_ahead(k0, 4 * kH * sizeof(KV));
     for (int r = 0; r < kR; ++r) {
       vf q0 = query(r, 0);
       vf a = q0 * load(k0), b = q0 * load(k1);
@@ -255,6 +256,7 @@ void chunk_fixed(const Shape& s, const float* __restrict q, const int32_t* __res
     vf av[kR][kV] = {};
     for (int64_t c = 0; c < n; ++c) {
       const KV* vc = values + (c0 + c) * kH;
+      prefetch_ahead(vc, kH * sizeof(KV));
       vf vv[kV];
       for (int j = 0; j < kV; ++j) vv[j] = load(vc + kLanes * j);
       const float v_scale = vs ? vs[c0 + c] : 1.0f;
@@ -273,6 +275,7 @@ void chunk_fixed(const Shape& s, const float* __restrict q, const int32_t* __res
     for (int j = 0; j < kV; ++j) {
       vf av[kR] = {};
       for (int64_t c = 0; c < n; ++c) {
+        if (j == 0) prefetch_ahead(values + (c0 + c) * kH, kH * sizeof(KV));
         const vf vv = load(values + (c0 + c) * kH + kLanes * j);
         for (int r = 0; r < kR; ++r) av[r] += scores[r * n + c] * vv;
       }

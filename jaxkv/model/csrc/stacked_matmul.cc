@@ -30,6 +30,7 @@ template <typename W, int TO, int TT>
 inline void Tile(const float* x, const W* w, const float* scale, float* y, int64_t I, int64_t O,
                  int64_t o, int64_t t) {
   const int64_t I16 = I - I % kLanes;
+  prefetch_lines(w + (o + 2 * TO) * I, TO * I * sizeof(W));  // the tile after next
   vf acc[TO][TT] = {};
   for (int64_t i = 0; i < I16; i += kLanes) {
     vf wv[TO];
