@@ -647,7 +647,7 @@ def kernel_piece(config, rows, reps, kv_dtype=None):
         t = in_turns(_attention_pieces(config, batch, ctx, jnp.dtype(kv_dtype or "float32")), reps)
         ms = {k: 1e3 * _med(v) for k, v in t.items()}
         mb = 2 * config.n_layers * batch * config.n_kv_heads * (ctx + 64) * config.head_dim
-        mb *= jnp.dtype(kv_dtype or "float32").itemsize / 1e6
+        mb *= jnp.dtype(kv_dtype or "float32").itemsize / 1e6  # keys and values (not the scales)
         out.append((batch, ctx, ms["xla"], ms["kernel"], mb, mb / ms["kernel"]))
         print(out[-1], flush=True)
     return out
@@ -659,23 +659,30 @@ def _attention_pieces(config, batch, ctx, dtype) -> dict:
     rng = np.random.default_rng(0)
     C = ctx + 64
     q = jnp.asarray(rng.normal(size=(batch, K, G, 1, H)), jnp.float32)
-    keys, values = (jnp.asarray(rng.normal(size=(L, batch, K, C, H)), dtype) for _ in range(2))
+    shape = (L, batch, K, C, H)
+    keys, values = (jnp.asarray(rng.normal(size=shape), jnp.float32) for _ in range(2))
+    scales = None
+    if dtype == jnp.int8:  # an int8 cache and its per-slot scales, as ``kvcache`` stores them
+        (keys, k_scale), (values, v_scale) = kvcache.quantize(keys), kvcache.quantize(values)
+        scales = (k_scale, v_scale)
+    keys, values = keys.astype(dtype), values.astype(dtype)
     kpos = jnp.where(jnp.arange(C) < ctx, jnp.arange(C), -1).astype(jnp.int32)
     kpos = jnp.broadcast_to(kpos, (L, batch, K, C))
     pos = jnp.full((batch, 1), ctx, jnp.int32)
     new = q[:, :, 0]  # the new token's key and value [B, K, 1, H]
 
-    def xla(q, keys, values, kpos):
+    def xla(q, keys, values, kpos, scales):
         def body(acc, xs):
-            o, _, _ = decoder._cached_attention(q, new, new, pos, (*xs, None, None), config)
+            o, _, _ = decoder._cached_attention(q, new, new, pos, xs, config)
             return acc + o.sum(), None
 
-        return jax.lax.scan(body, 0.0, (keys, values, kpos))[0]
+        xs = (keys, values, kpos, *(scales or (None, None)))
+        return jax.lax.scan(body, 0.0, xs)[0]
 
-    def kernel(q, keys, values, kpos):
+    def kernel(q, keys, values, kpos, scales):
         def body(acc, i):
             o, _, _ = cache_kernel.cache_attention(
-                q, pos, keys, values, kpos, i, window=config.sliding_window
+                q, pos, keys, values, kpos, i, window=config.sliding_window, scales=scales
             )
             return acc + o.sum(), None
 
@@ -684,7 +691,7 @@ def _attention_pieces(config, batch, ctx, dtype) -> dict:
     calls = {}
     for name, fn in (("xla", xla), ("kernel", kernel)):
         jitted = jax.jit(fn)
-        calls[name] = functools.partial(_block, jitted, q, keys, values, kpos)
+        calls[name] = functools.partial(_block, jitted, q, keys, values, kpos, scales)
         calls[name]()  # compiled before the turns
     return calls
 
