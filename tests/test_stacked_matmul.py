@@ -1,7 +1,8 @@
 """The compiled few-row matmul (``cache_kernel.stacked_matmul``) against a float64 brute force,
 and decoding with ``config.matmul="kernel"`` against the XLA matmuls: the same logits up to
 float32 summation order (out-first float32 and int8 weights, tied and untied heads), r = 1
-still bit-identical to the full cache, one row and prefill untouched, clear errors."""
+still bit-identical to the full cache, one row of float weights and prefill untouched, clear
+errors."""
 
 import shutil
 
@@ -98,13 +99,31 @@ def test_a_block_of_new_tokens_through_the_kernel():
     np.testing.assert_allclose(out[1], out[0], **TOL)
 
 
-def test_one_row_and_prefill_are_xla_bit_for_bit():
-    """Outside ``MATMUL_ROWS`` nothing changes: batch 1 decode and a prompt's prefill give
-    the XLA matmuls' logits exactly."""
-    params = WEIGHTS["int8"]
+def test_one_row_of_float_weights_and_prefill_are_xla_bit_for_bit():
+    """Outside ``MATMUL_ROWS`` nothing changes: batch-1 decode with float32 weights and a
+    prompt's prefill give the XLA matmuls' logits exactly."""
+    params = WEIGHTS["out-first"]
     want, _ = teacher_forced(params, TOKENS[:1], prompt_len=12, config=CFG)
     got, _ = teacher_forced(params, TOKENS[:1], prompt_len=12, config=MCFG)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_one_row_of_int8_weights_goes_through_the_kernel(monkeypatch):
+    """Int8 weights take the kernel from one row (``MATMUL_ROWS_INT8``): batch-1 decode
+    equals XLA's logits up to summation order, and goes through ``stacked_matmul``."""
+    params = WEIGHTS["int8"]
+    want, _ = teacher_forced(params, TOKENS[:1], prompt_len=12, config=CFG)
+    got, _ = teacher_forced(params, TOKENS[:1], prompt_len=12, config=MCFG)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), **TOL)
+    calls = []
+    real = cache_kernel.stacked_matmul
+    monkeypatch.setattr(cache_kernel, "stacked_matmul", lambda *a: calls.append(1) or real(*a))
+    cache = kvcache.init_cache(CFG, batch_size=1, capacity=8)
+    decoder.decode_step(params, jnp.zeros((1,), jnp.int32), cache, config=MCFG)
+    assert calls  # and none with float weights:
+    calls.clear()
+    decoder.decode_step(WEIGHTS["out-first"], jnp.zeros((1,), jnp.int32), cache, config=MCFG)
+    assert not calls
 
 
 @pytest.mark.parametrize("name", ["streaming_llm", "h2o"])

@@ -10,8 +10,9 @@ value dot copies each layer's values out of the stacked cache before reading the
 cached key and value once, for all the query rows of its KV head, straight out of the stacked
 ``[L, B, K, C, H]`` arrays, with the layer index as an operand (so nothing is sliced or
 copied), on XLA's intra-op threads. ``csrc/stacked_matmul.cc`` does the same for the weights
-of a decode step with 2-16 rows (a batch of sequences), where XLA:CPU copies each layer's
-slice of the stacked weights out before its dot (``jaxkv.model.weights_int8.LayerWeight``).
+of a decode step with 2-16 rows (a batch of sequences; 1-16 for int8 weights), where XLA:CPU
+copies each layer's slice of the stacked weights out before its dot
+(``jaxkv.model.weights_int8.LayerWeight``).
 XLA computes a prompt's attention in blocks of queries whose scores go through memory
 several times (``layers.causal_block_attention``); ``csrc/causal_attention.cc`` keeps each
 group of queries' scores in registers and its softmax online, and masks only the blocks on
@@ -260,9 +261,20 @@ def causal_attention(q_BKGTH, k_BKTH, v_BKTH, pos_BT, *, window):
 
 
 MATMUL_ROWS = (2, 16)
-"""Rows of ``x`` (sequences x new tokens) for which a decode step's weights go through
+"""Rows of ``x`` (sequences x new tokens) for which a decode step's float32 weights go through
 ``stacked_matmul``: one row is XLA's fused in-place loop (``weights_int8._matmul_t``), as fast
-or faster; many rows (prefill) are XLA's blocked matmuls."""
+or faster (session 48: a batch-1 step at 1K took 36.5 ms through the kernel against 34.5);
+many rows (prefill) are XLA's blocked matmuls."""
+
+MATMUL_ROWS_INT8 = (1, 16)
+"""The same for int8 weights, from one row: at batch 1 the kernel, widening 16 weights per
+instruction pair, beats XLA's fused dequantize-and-dot loop (session 48: a batch-1 step 16.8
+against 20.1 ms at 1K, 25.5 against 28.7 ms at 4K)."""
+
+
+def matmul_rows(int8: bool) -> tuple[int, int]:
+    """``MATMUL_ROWS_INT8`` for int8 weights, else ``MATMUL_ROWS``."""
+    return MATMUL_ROWS_INT8 if int8 else MATMUL_ROWS
 
 
 def stacked_matmul(x_TI, values_LOI, layer, scales_LO1=None):

@@ -570,10 +570,10 @@ def load_model(
         attention: ``config.attention``, how decode steps attend over the cache
             (``jaxkv.config.ATTENTION_IMPLEMENTATIONS``; ``"kernel"``: the compiled CPU
             kernel of ``jaxkv.model.cache_kernel``).
-        matmul: ``config.matmul``, how decode steps of 2-16 rows multiply by the weights
-            (``jaxkv.config.MATMUL_IMPLEMENTATIONS``); ``"kernel"`` (the compiled CPU kernel
-            ``cache_kernel.stacked_matmul``) stores float32 weights out-first, the layout it
-            reads (as ``out_first``).
+        matmul: ``config.matmul``, how decode steps of 2-16 rows (1-16 with int8 weights)
+            multiply by the weights (``jaxkv.config.MATMUL_IMPLEMENTATIONS``); ``"kernel"``
+            (the compiled CPU kernel ``cache_kernel.stacked_matmul``) stores float32 weights
+            out-first, the layout it reads (as ``out_first``).
 
     The embedded model's dequantized params, config and tokenizer are cached under
     ``cache_dir()`` (keyed by the GGUF file's size and mtime): the first load dequantizes,
