@@ -30,9 +30,13 @@ template <typename W, int TO, int TT>
 inline void Tile(const float* x, const W* w, const float* scale, float* y, int64_t I, int64_t O,
                  int64_t o, int64_t t) {
   const int64_t I16 = I - I % kLanes;
-  prefetch_lines(w + (o + 2 * TO) * I, TO * I * sizeof(W));  // the tile after next
   vf acc[TO][TT] = {};
+  // The tile after next is prefetched a line per row as this one advances: spread out, not
+  // as one burst at the tile's start (1.15x faster at 8 rows of float32 weights, session 48).
+  const W* ahead = w + (o + 2 * TO) * I;
   for (int64_t i = 0; i < I16; i += kLanes) {
+    if ((i * sizeof(W)) % 64 == 0)
+      for (int a = 0; a < TO; ++a) __builtin_prefetch(ahead + a * I + i, 0, 3);
     vf wv[TO];
     for (int a = 0; a < TO; ++a) wv[a] = load(w + (o + a) * I + i);
     for (int c = 0; c < TT; ++c) {
