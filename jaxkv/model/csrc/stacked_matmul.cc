@@ -36,7 +36,7 @@ inline void Tile(const float* x, const W* w, const float* scale, float* y, int64
   const W* ahead = w + (o + 2 * TO) * I;
   for (int64_t i = 0; i < I16; i += kLanes) {
     if ((i * sizeof(W)) % 64 == 0)
-      for (int a = 0; a < TO; ++a) __builtin_prefetch(ahead + a * I + i, 0, 3);
+      for (int a = 0; a < TO; ++a) prefetch(ahead + a * I + i);
     vf wv[TO];
     for (int a = 0; a < TO; ++a) wv[a] = load(w + (o + a) * I + i);
     for (int c = 0; c < TT; ++c) {
