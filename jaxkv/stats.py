@@ -73,7 +73,9 @@ def _mean_over_heads(x_BKGS: jax.Array) -> jax.Array:
     return functools.reduce(jnp.add, [x_BKGS[:, :, g] for g in range(G)]) / G
 
 
-def contributions(p_parts, w_BT3: jax.Array, names=STAT_NAMES) -> tuple[dict, ...]:
+def contributions(
+    p_parts, w_BT3: jax.Array, names=STAT_NAMES, *, entropy_BKGT=None
+) -> tuple[dict, ...]:
     """The contribution ([B, K, S] for each part) of one pass's attention probabilities to
     each statistic in ``names`` (``vnorm`` and ``wo_vnorm`` are not attention statistics and
     are skipped).
@@ -84,6 +86,9 @@ def contributions(p_parts, w_BT3: jax.Array, names=STAT_NAMES) -> tuple[dict, ..
         w_BT3: the query weights (``query_weights``).
         names: the statistics to compute (nothing else is; the rows' entropies only for
             ``recent_ent``).
+        entropy_BKGT: the rows' entropies over every key of the pass, where ``p_parts`` are
+            not all of them (``cache_kernel.cache_attention_stats`` computes the cache's
+            part and returns them); None: computed from ``p_parts``.
 
     Returns:
         One dict {name: [B, K, S]} per part.
@@ -94,8 +99,7 @@ def contributions(p_parts, w_BT3: jax.Array, names=STAT_NAMES) -> tuple[dict, ..
     """
     names = [n for n in names if n in _CHANNEL]
     p_parts = [p.astype(jnp.float32) for p in p_parts]
-    entropy_BKGT = None
-    if "recent_ent" in names:
+    if "recent_ent" in names and entropy_BKGT is None:
         entropy_BKGT = functools.reduce(jnp.add, [entropy(p) for p in p_parts])
     slabs = _slab_parts(p_parts, names)
     return tuple(

@@ -113,6 +113,102 @@ def test_the_kernel_equals_a_brute_force_softmax(case):
         assert (o[-1, :, :, -1] == 0).all()
 
 
+def stats_reference(q, qpos, k_new, dense, kpos, layer, window, old, lam):
+    """Brute force in float64 of a decode step's statistics (``jaxkv.stats``' definitions):
+    each row's softmax over the slots it may see and the new token, means over the G rows of a
+    KV head, padding queries contributing nothing; and the rows' entropies."""
+    o, m, total, p_cache = reference(q, qpos, *dense, kpos, layer, window)
+    B, K, G, _, H = q.shape
+    valid = (np.asarray(qpos)[:, 0] >= 0)[:, None, None, None]
+    s_new = np.einsum("bkgth,bkh->bkgt", np.asarray(q, np.float64), k_new) * H**-0.5
+    top = np.maximum(m, np.where(valid, s_new, -1e30))
+    w_cache = total * np.exp(m - top)
+    e_new = np.exp(np.where(valid, s_new - top, -np.inf))
+    share = w_cache / np.maximum(w_cache + e_new, 1e-300)
+    p = p_cache[:, :, :, 0] * share[..., 0, None]  # [B, K, G, C]
+    p_new = np.where(valid, e_new / np.maximum(w_cache + e_new, 1e-300), 0.0)[..., 0]
+    plogp = np.where(p > 0, p * np.log(np.where(p > 0, p, 1)), 0).sum(-1)
+    ent = -(plogp + np.where(p_new > 0, p_new * np.log(np.where(p_new > 0, p_new, 1)), 0))
+    a, a2, ae = ((x * valid).mean(2) for x in (p, p**2, p * ent[..., None]))
+    want = {n: np.array(x, np.float64) for n, x in old.items()}
+    want["attn"][layer], want["attn_sq"][layer] = a, a2
+    want["attn_cum"][layer] += a
+    want["recent"][layer] = lam * want["recent"][layer] + a
+    want["recent_ent"][layer] = lam * want["recent_ent"][layer] + ae
+    return want, ent * valid[..., 0]
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if CASES[c][3] == 1])
+def test_statistics_in_place_equal_a_brute_force_reference(case):
+    """``cache_attention_stats`` (a decode step's statistics updated inside the kernel, in
+    place) against float64 brute force: every statistic of the layer, the rows' entropies,
+    the other layers untouched bit for bit, and the output, m and l the lean kernel's."""
+    B, K, G, T, H, C, window, dtype = CASES[case]
+    L, layer, lam = 3, 1, 0.97
+    rng = np.random.default_rng(len(case) + 1)
+    q = jnp.asarray(rng.normal(size=(B, K, G, T, H)), jnp.float32)
+    k_new = rng.normal(size=(B, K, H)).astype(np.float32)
+    keys, values = (jnp.asarray(rng.normal(size=(L, B, K, C, H)), dtype) for _ in range(2))
+    scales, dense = None, (keys, values)
+    if dtype == jnp.int8:
+        keys, values = (jnp.asarray(rng.integers(-127, 128, (L, B, K, C, H)), dtype) for _ in "kv")
+        scales = tuple(
+            jnp.asarray(rng.uniform(0.005, 0.02, (L, B, K, C)), jnp.float32) for _ in "kv"
+        )
+        dense = [
+            np.asarray(x, np.float64) * np.asarray(sc)[..., None]
+            for x, sc in zip((keys, values), scales, strict=True)
+        ]
+    kpos = np.stack([rng.permutation(C) for _ in range(L * B * K)]).reshape(L, B, K, C)
+    kpos = np.where(rng.random(kpos.shape) < 0.1, -1, kpos).astype(np.int32)
+    qpos = np.full((B, 1), C - 20, np.int32)
+    if B > 1:
+        qpos[-1, 0] = -1  # a padding query: no contribution, its recent statistics decay
+    old = {
+        n: rng.uniform(0, 0.05, (L, B, K, C)).astype(np.float32)
+        for n in cache_kernel.STATS_IN_PLACE
+    }
+    args = (q, jnp.asarray(qpos), jnp.asarray(k_new), keys, values, jnp.asarray(kpos), layer)
+
+    def run(names):
+        st = {n: jnp.asarray(old[n]) for n in names}
+        return jax.jit(
+            lambda *a: cache_kernel.cache_attention_stats(
+                *a, st, window=window, lam=lam, scales=scales
+            )
+        )(*args)
+
+    o, m, total, ent, got = run(cache_kernel.STATS_IN_PLACE)
+    want, want_ent = stats_reference(q, qpos, k_new, dense, kpos, layer, window, old, lam)
+    np.testing.assert_allclose(np.asarray(ent)[..., 0], want_ent, atol=2e-5, rtol=2e-5)
+    for n, w in want.items():
+        g = np.asarray(got[n])
+        np.testing.assert_allclose(g[layer], w[layer], atol=1e-7, rtol=2e-5, err_msg=n)
+        for other in set(range(L)) - {layer}:
+            np.testing.assert_array_equal(g[other], old[n][other], err_msg=n)
+    lean = cache_kernel.cache_attention(
+        q, jnp.asarray(qpos), keys, values, jnp.asarray(kpos), layer, window=window, scales=scales
+    )
+    for g, w in zip((o, m, total), lean, strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    # H2O's one statistic alone: the same numbers
+    np.testing.assert_array_equal(np.asarray(run(["attn_cum"])[4]["attn_cum"]), got["attn_cum"])
+
+
+def test_statistics_in_place_take_one_query_and_known_names():
+    q = jnp.zeros((1, 1, 2, 2, 64))
+    keys = jnp.zeros((2, 1, 1, 8, 64))
+    kpos = jnp.zeros((2, 1, 1, 8), jnp.int32)
+    st = {"attn_cum": jnp.zeros((2, 1, 1, 8))}
+    args = (jnp.zeros((1, 2), jnp.int32), jnp.zeros((1, 1, 64)), keys, keys, kpos, 0)
+    with pytest.raises(ValueError, match="one query"):
+        cache_kernel.cache_attention_stats(q, *args, st, window=None, lam=0.9)
+    with pytest.raises(ValueError, match="vnorm"):
+        cache_kernel.cache_attention_stats(
+            q[:, :, :, :1], *args, {"vnorm": st["attn_cum"]}, window=None, lam=0.9
+        )
+
+
 @pytest.mark.parametrize("window", [None, 8])
 @pytest.mark.parametrize("kv_dtype", [None, "float16"])
 @pytest.mark.parametrize("batch", [1, 2])

@@ -55,7 +55,7 @@ _SYMBOLS = (
     {  # FFI target: the library's symbol
         f"jaxkv_cache_attention{probs}_{t}": f"JaxkvCacheAttention{probs.title()[1:]}{t.upper()}"
         for t in _SUFFIX.values()
-        for probs in ("", "_probs")
+        for probs in ("", "_probs", "_stats")
     }
     | {f"jaxkv_stacked_matmul_{t}": f"JaxkvStackedMatmul{t.upper()}" for t in ("f32", "s8")}
     | {"jaxkv_causal_attention_f32": "JaxkvCausalAttentionF32"}
@@ -216,6 +216,93 @@ def cache_attention(
     )
     out = (o.reshape(B, K, G, T, H), top.reshape(B, K, G, T), total.reshape(B, K, G, T))
     return (*out, p[0].reshape(B, K, G, T, C)) if probabilities else out
+
+
+STATS_IN_PLACE = ("attn", "attn_sq", "attn_cum", "recent", "recent_ent")
+"""The attention statistics ``cache_attention_stats`` updates in place, in the order of the
+kernel's ``which`` bits (``jaxkv.stats`` defines them)."""
+
+
+def cache_attention_stats(
+    q_BKGTH,
+    pos_BT,
+    k_new_BKH,
+    keys_LBKCH,
+    values_LBKCH,
+    kpos_LBKC,
+    layer,
+    stats,
+    *,
+    window,
+    lam,
+    scales=None,
+):
+    """``cache_attention`` of a decode step (one query per sequence) that also updates layer
+    ``layer``'s attention statistics in place, from the probabilities over the cache and the
+    new token (whose rotated key ``k_new_BKH`` [B, K, H] the kernel scores itself): no
+    probabilities go through memory, and the stacked statistics are rewritten only in their
+    layer's slice (the outputs alias the inputs, so XLA updates the scan's carry in place).
+
+    Args:
+        stats: {name: stacked [L, B, K, C] float32} for names in ``STATS_IN_PLACE``, as
+            ``jaxkv.stats.merge`` of ``jaxkv.stats.contributions`` would leave them after the
+            step, up to float32 rounding: ``attn``/``attn_sq`` replaced, ``attn_cum`` added to,
+            ``recent``/``recent_ent`` decayed by ``lam`` (``stats.decay(window)``) first.
+        window, scales: as ``cache_attention``.
+
+    Returns:
+        The output over the cache, m and l (as ``cache_attention``), each row's entropy over
+        the cache and the new token [B, K, G, 1] (for the new token's own ``recent_ent``),
+        and the updated statistics.
+    """
+    ok, why = _load()
+    if not ok:
+        raise RuntimeError(f"the cache attention kernel is unavailable: {why}")
+    B, K, G, T, H = q_BKGTH.shape
+    if T != 1:
+        raise ValueError(f"statistics in place need one query per sequence, not {T}")
+    unknown = set(stats) - set(STATS_IN_PLACE)
+    if unknown:
+        raise ValueError(f"no in-place update for {sorted(unknown)}")
+    if (scales is None) != (keys_LBKCH.dtype != jnp.int8):
+        raise ValueError("an int8 cache needs its scales, and only an int8 cache has them")
+    names = [n for n in STATS_IN_PLACE if n in stats]
+    arrays = [stats[n].astype(jnp.float32) for n in names]
+    head = (
+        q_BKGTH.astype(jnp.float32).reshape(B, K, G, H),
+        pos_BT.astype(jnp.int32),
+        keys_LBKCH,
+        values_LBKCH,
+        kpos_LBKC.astype(jnp.int32),
+        *(() if scales is None else (s.astype(jnp.float32) for s in scales)),
+        k_new_BKH.astype(jnp.float32),
+        jnp.asarray(layer, jnp.int32).reshape(1),
+    )
+    rows = jax.ShapeDtypeStruct((B, K, G), jnp.float32)
+    out_types = [jax.ShapeDtypeStruct((B, K, G, H), jnp.float32), rows, rows, rows]
+    out_types += [jax.ShapeDtypeStruct(a.shape, jnp.float32) for a in arrays]
+    call = jax.ffi.ffi_call(
+        f"jaxkv_cache_attention_stats_{_SUFFIX[jnp.dtype(keys_LBKCH.dtype)]}",
+        out_types,
+        vmap_method="sequential",
+        input_output_aliases={len(head) + i: 4 + i for i in range(len(names))},
+    )
+    o, top, total, ent, *new = call(
+        *head,
+        *arrays,
+        window=np.int64(window or 0),
+        scale=np.float32(H**-0.5),
+        lam=np.float32(lam),
+        which=np.int64(sum(1 << STATS_IN_PLACE.index(n) for n in names)),
+    )
+    rows4 = (B, K, G, T)
+    return (
+        o.reshape(B, K, G, T, H),
+        top.reshape(rows4),
+        total.reshape(rows4),
+        ent.reshape(rows4),
+        dict(zip(names, new, strict=True)),
+    )
 
 
 def prefill_supported(q_BKGTH) -> bool:

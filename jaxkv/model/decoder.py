@@ -313,7 +313,6 @@ def _kernel_attention(
         probabilities of the cache slots and of the new tokens (else None, None).
     """
     window = config.sliding_window
-    scales = None if cache.k_scale is None else (cache.k_scale, cache.v_scale)
     o, m, total_cache, *p_slots = cache_kernel.cache_attention(
         q,
         pos_BT,
@@ -322,9 +321,52 @@ def _kernel_attention(
         cache.pos,
         layer,
         window=window,
-        scales=scales,
+        scales=_scales(cache),
         probabilities=probabilities,
     )
+    out, share_cache, p_new = _merge_new_tokens(o, m, total_cache, q, k_new, v_new, pos_BT, window)
+    if not probabilities:
+        return out, None, None
+    return out, p_slots[0] * share_cache, p_new
+
+
+def _kernel_attention_stats(q, k_new, v_new, pos_BT, layer, cache: KVCache, stats: dict, config):
+    """``_kernel_attention`` of a decode step (one new token per sequence) whose kernel also
+    updates layer ``layer``'s attention ``stats`` (the stacked arrays of the scan's carry) in
+    place (``cache_kernel.cache_attention_stats``).
+
+    Returns:
+        The output [B, K, G, 1, H], the new token's probabilities [B, K, G, 1, 1], the rows'
+        entropies [B, K, G, 1] and the updated statistics.
+    """
+    window = config.sliding_window
+    o, m, total_cache, entropy, stats = cache_kernel.cache_attention_stats(
+        q,
+        pos_BT,
+        k_new[:, :, 0],
+        cache.k,
+        cache.v,
+        cache.pos,
+        layer,
+        stats,
+        window=window,
+        lam=attn_stats.decay(cache.window),
+        scales=_scales(cache),
+    )
+    out, _, p_new = _merge_new_tokens(o, m, total_cache, q, k_new, v_new, pos_BT, window)
+    return out, p_new, entropy, stats
+
+
+def _scales(cache: KVCache):
+    """An int8 cache's (key scales, value scales); None for a float cache."""
+    return None if cache.k_scale is None else (cache.k_scale, cache.v_scale)
+
+
+def _merge_new_tokens(o, m, total_cache, q, k_new, v_new, pos_BT, window):
+    """The new tokens' own keys and values merged into the kernel's attention over the cache
+    (its output ``o`` normalized over the cache, its rows' maximum ``m`` and sum
+    ``total_cache``): the output, the cache's share of each row, the new tokens'
+    probabilities."""
     q_pos = pos_BT[:, None, None, :, None]
     sees_new = layers.visible(q_pos, pos_BT[:, None, None, None, :], window)  # [B, 1, 1, T, T]
     s_new = jnp.where(sees_new, layers.scores(q, k_new), layers.NEG_INF)
@@ -334,9 +376,7 @@ def _kernel_attention(
     total = jnp.maximum(w_cache + jnp.sum(e_new, axis=-1), 1e-30)[..., None]
     share_cache, p_new = w_cache[..., None] / total, e_new / total
     out = o * share_cache + layers.weighted_values(p_new, v_new)
-    if not probabilities:
-        return out.astype(q.dtype), None, None
-    return out.astype(q.dtype), p_slots[0] * share_cache, p_new
+    return out.astype(q.dtype), share_cache, p_new
 
 
 def extend(
@@ -372,12 +412,29 @@ def extend(
         _layer_weights(stacked, 0)  # a wrong layout fails here, not inside the scan
     scanned = {n: w for n, w in stacked.items() if not (matmul and n in weights_lib.CONTRACTED)}
 
+    # A decode step through the kernel updates the statistics inside it (no probabilities).
+    stats_in_kernel = kernel and weights is not None and T == 1
+
+    def _moments(q_pre, q_acc_l):
+        if q_weights is None:
+            return None
+        new_moments = attn_stats.query_moments(q_pre, q_weights, config.n_kv_heads)
+        return attn_stats.merge_query_moments(q_acc_l, new_moments)
+
     def layer(carry, xs):
         x, stats = carry
         i, lp, cached, q_acc_l = xs
         if matmul:
             lp = {**lp, **_layer_weights(stacked, i)}
         q, k, v, q_pre = _projections(lp, x, pos_BT, config)
+        if stats_in_kernel:  # the kernel also updates layer i's statistics in place
+            attn, p_new, entropy, stats = _kernel_attention_stats(
+                q, k, v, pos_BT, i, cache, stats, config
+            )
+            x = _finish_layer(lp, x, attn, config)
+            (new,) = attn_stats.contributions((p_new,), weights, names, entropy_BKGT=entropy)
+            new.update(_value_stats(lp, v, names))
+            return (x, stats), (k, v, new, _moments(q_pre, q_acc_l))
         if kernel:  # reads the stacked cache itself, layer i
             attn, p_cache, p_new = _kernel_attention(
                 q, k, v, pos_BT, i, cache, config, probabilities=weights is not None
@@ -385,10 +442,7 @@ def extend(
         else:
             attn, p_cache, p_new = _cached_attention(q, k, v, pos_BT, cached, config)
         x = _finish_layer(lp, x, attn, config)
-        moments = None
-        if q_weights is not None:
-            new_moments = attn_stats.query_moments(q_pre, q_weights, config.n_kv_heads)
-            moments = attn_stats.merge_query_moments(q_acc_l, new_moments)
+        moments = _moments(q_pre, q_acc_l)
         if weights is None:
             return (x, stats), (k, v, None, moments)
         old, new = attn_stats.contributions((p_cache, p_new), weights, names)

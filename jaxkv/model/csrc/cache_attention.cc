@@ -61,10 +61,22 @@ struct Shape {
 
 // A row's scores over n slots (kNegInf: not visible) become exp(score - top) in place (0 for
 // a hidden slot, all 0 when none is visible), copied to ``probs`` (unless null); returns
-// their sum.
-inline float exponentiate(float* __restrict sr, int64_t n, float top, float* __restrict probs) {
-  float sum = 0.0f;
-  if (top > kNegInf) {
+// their sum. With ``moment`` (unless null), also sum e * (score - top) there, from which the
+// row's entropy follows once every chunk is merged (``Attend``).
+inline float exponentiate(float* __restrict sr, int64_t n, float top, float* __restrict probs,
+                          float* __restrict moment) {
+  float sum = 0.0f, mo = 0.0f;
+  if (top > kNegInf && moment != nullptr) {
+#pragma omp simd reduction(+ : sum, mo)
+    for (int64_t c = 0; c < n; ++c) {
+      const bool seen = sr[c] > kNegInf;
+      const float d = seen ? sr[c] - top : 0.0f;
+      const float e = seen ? exp_nonpositive(d) : 0.0f;
+      sr[c] = e;
+      sum += e;
+      mo += e * d;
+    }
+  } else if (top > kNegInf) {
 #pragma omp simd reduction(+ : sum)
     for (int64_t c = 0; c < n; ++c) {
       const float e = sr[c] > kNegInf ? exp_nonpositive(sr[c] - top) : 0.0f;
@@ -75,6 +87,7 @@ inline float exponentiate(float* __restrict sr, int64_t n, float top, float* __r
     std::fill(sr, sr + n, 0.0f);
   }
   if (probs != nullptr) std::memcpy(probs, sr, n * sizeof(float));
+  if (moment != nullptr) *moment = mo;
   return sum;
 }
 
@@ -101,8 +114,9 @@ template <typename KV>
 void chunk_attention(const Shape& s, const float* __restrict q, const int32_t* __restrict qpos,
                      const KV* __restrict keys, const KV* __restrict values,
                      const int32_t* __restrict kpos, int64_t c0, int64_t c1, float* __restrict m,
-                     float* __restrict l, float* __restrict acc, float* __restrict probs,
-                     const float* __restrict ks, const float* __restrict vs) {
+                     float* __restrict l, float* __restrict moment, float* __restrict acc,
+                     float* __restrict probs, const float* __restrict ks,
+                     const float* __restrict vs) {
   const int64_t R = s.R, H = s.H, n = c1 - c0;
   std::vector<float> score_buf(R * n), row_buf(H);
   float* __restrict scores = score_buf.data();
@@ -126,7 +140,8 @@ void chunk_attention(const Shape& s, const float* __restrict q, const int32_t* _
 #pragma omp simd reduction(max : top)
     for (int64_t c = 0; c < n; ++c) top = std::max(top, sr[c]);
     m[r] = top;
-    l[r] = exponentiate(sr, n, top, probs == nullptr ? nullptr : probs + r * s.C + c0);
+    l[r] = exponentiate(sr, n, top, probs == nullptr ? nullptr : probs + r * s.C + c0,
+                       moment == nullptr ? nullptr : moment + r);
   }
   std::fill(acc, acc + R * H, 0.0f);
   for (int64_t c = 0; c < n; ++c) {
@@ -191,8 +206,9 @@ template <typename KV, int kR, int kH>
 void chunk_fixed(const Shape& s, const float* __restrict q, const int32_t* __restrict qpos,
                  const KV* __restrict keys, const KV* __restrict values,
                  const int32_t* __restrict kpos, int64_t c0, int64_t c1, float* __restrict m,
-                 float* __restrict l, float* __restrict acc, float* __restrict probs,
-                     const float* __restrict ks, const float* __restrict vs) {
+                 float* __restrict l, float* __restrict moment, float* __restrict acc,
+                 float* __restrict probs, const float* __restrict ks,
+                 const float* __restrict vs) {
   constexpr int kV = kH / kLanes;
   const int64_t n = c1 - c0;
   std::vector<float> score_buf(kR * n);
@@ -250,7 +266,8 @@ void chunk_fixed(const Shape& s, const float* __restrict q, const int32_t* __res
       top = std::max(top, sr[c]);
     }
     m[r] = top;
-    l[r] = exponentiate(sr, n, top, probs == nullptr ? nullptr : probs + r * s.C + c0);
+    l[r] = exponentiate(sr, n, top, probs == nullptr ? nullptr : probs + r * s.C + c0,
+                       moment == nullptr ? nullptr : moment + r);
   }
   if constexpr (kWideRegisters) {
     vf av[kR][kV] = {};
@@ -287,7 +304,7 @@ void chunk_fixed(const Shape& s, const float* __restrict q, const int32_t* __res
 template <typename KV>
 using ChunkFn = void (*)(const Shape&, const float*, const int32_t*, const KV*, const KV*,
                          const int32_t*, int64_t, int64_t, float*, float*, float*, float*,
-                         const float*, const float*);
+                         float*, const float*, const float*);
 
 template <typename KV, int kH>
 ChunkFn<KV> pick_rows(int64_t R) {
@@ -309,14 +326,85 @@ ChunkFn<KV> pick(const Shape& s) {
   return chunk_attention<KV>;
 }
 
+// The attention statistics of a decode step, updated in place (the ``Stats`` targets): each
+// is the stacked [L, B, K, C] array of one statistic (null: not carried), layer ``layer``'s
+// slice rewritten from the probabilities of the step's one query per row (T = 1), normalized
+// over the cache and the new token, whose key ``k_new`` [B, K, H] the kernel scores itself.
+// As ``jaxkv.stats`` defines them (a mean over the G query heads of a KV head; padding
+// queries contribute nothing): attn and attn_sq are replaced, attn_cum adds up, recent and
+// recent_ent decay by ``lam`` first. ``entropy`` [B, K, R] receives each row's entropy over
+// the cache and the new token (for the new token's own recent_ent).
+enum Stat { kAttn, kAttnSq, kAttnCum, kRecent, kRecentEnt, kNumStats };
+
+struct Stats {
+  float* stat[kNumStats];
+  const float* k_new;
+  float* entropy;
+  float lam;
+};
+
+// Layer s.layer's statistics of (b, k) = bk over slots [c0, c1), from the chunk's
+// exponentials ``e`` (the (b, k) block of [R, C]) times each row's factor ``f`` [R] (its
+// chunk's weight over the whole softmax), and the rows' entropies ``ent`` [R].
+inline void update_stats(const Shape& s, const Stats& st, int64_t bk, int64_t c0, int64_t c1,
+                         const float* __restrict e, const float* __restrict f,
+                         const float* __restrict ent, bool valid) {
+  const int64_t off = (s.layer * s.B * s.K + bk) * s.C + c0, n = c1 - c0;
+  // The chunk's means over the rows (kChunk slots at most) of p, p^2 and p * entropy, each a
+  // plain loop over the slots (vectorized), then each statistic its own loop.
+  float a[kChunk], a2[kChunk], ae[kChunk];
+  const float g = valid ? 1.0f / static_cast<float>(s.R) : 0.0f;
+  const bool want_sq = st.stat[kAttnSq] != nullptr, want_ent = st.stat[kRecentEnt] != nullptr;
+  for (int64_t r = 0; r < s.R; ++r) {
+    const float* __restrict er = e + r * s.C + c0;
+    const float fr = f[r], fe = f[r] * ent[r];
+    if (r == 0) {
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) a[j] = er[j] * fr;
+      if (want_sq)
+#pragma omp simd
+        for (int64_t j = 0; j < n; ++j) a2[j] = (er[j] * fr) * (er[j] * fr);
+      if (want_ent)
+#pragma omp simd
+        for (int64_t j = 0; j < n; ++j) ae[j] = er[j] * fe;
+      continue;
+    }
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) a[j] += er[j] * fr;
+    if (want_sq)
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) a2[j] += (er[j] * fr) * (er[j] * fr);
+    if (want_ent)
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) ae[j] += er[j] * fe;
+  }
+  const float lam = st.lam;
+  if (float* __restrict x = st.stat[kAttn])
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) x[off + j] = a[j] * g;
+  if (float* __restrict x = st.stat[kAttnSq])
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) x[off + j] = a2[j] * g;
+  if (float* __restrict x = st.stat[kAttnCum])
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) x[off + j] += a[j] * g;
+  if (float* __restrict x = st.stat[kRecent])
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) x[off + j] = lam * x[off + j] + a[j] * g;
+  if (float* __restrict x = st.stat[kRecentEnt])
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) x[off + j] = lam * x[off + j] + ae[j] * g;
+}
+
 // The whole call; ``probs`` (null: not wanted) receives each row's probabilities over the
-// cache slots, normalized over the cache [B, K, R, C].
+// cache slots, normalized over the cache [B, K, R, C]; ``stats`` (null: none) are updated in
+// place (``Stats``).
 template <ffi::DataType KVType>
 ffi::Error Attend(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::S32>& qpos,
                   ffi::Buffer<KVType>& keys, ffi::Buffer<KVType>& values,
                   ffi::Buffer<ffi::S32>& kpos, ffi::Buffer<ffi::S32>& layer, float* o, float* om,
                   float* ol, float* probs, const float* k_scale, const float* v_scale,
-                  int64_t window, float scale) {
+                  int64_t window, float scale, const Stats* stats = nullptr) {
   using KV = ffi::NativeType<KVType>;
   auto qd = q.dimensions();     // [B, K, R, H]
   auto pd = qpos.dimensions();  // [B, T]
@@ -328,15 +416,27 @@ ffi::Error Attend(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::Buffer<f
   if (kd[1] != s.B || kd[2] != s.K || kd[4] != s.H || s.R % s.T != 0) {
     return ffi::Error::InvalidArgument("cache_attention: mismatched shapes");
   }
+  if (stats != nullptr && s.T != 1) {
+    return ffi::Error::InvalidArgument("cache_attention: statistics in place need one query");
+  }
   s.layer = layer.typed_data()[0];
   if (s.layer < 0 || s.layer >= kd[0]) {
     return ffi::Error::InvalidArgument("cache_attention: layer out of range");
   }
   const int64_t n_chunks = (s.C + kChunk - 1) / kChunk;
   const int64_t n_items = s.B * s.K * n_chunks;
-  // per item: R maxima, R sums, R * H outputs
-  const int64_t per_item = s.R * (2 + s.H);
+  // per item: R maxima, R sums, R moments, R * H outputs
+  const int64_t per_item = s.R * (3 + s.H);
   std::vector<float> partial(n_items * per_item);
+  // With statistics the exponentials go to a scratch copy of the probabilities' shape, kept
+  // by the calling thread from call to call (a fresh allocation of this size is mapped and
+  // faulted in anew at every call).
+  thread_local std::vector<float> scratch;
+  if (stats != nullptr) {
+    const size_t need = static_cast<size_t>(s.B * s.K * s.R * s.C);
+    if (scratch.size() < need) scratch.resize(need);
+    probs = scratch.data();
+  }
   const float* qd_ = q.typed_data();
   const int32_t* pos = qpos.typed_data();
   const KV* kbase = keys.typed_data() + s.layer * s.B * s.K * s.C * s.H;
@@ -354,12 +454,16 @@ ffi::Error Attend(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::Buffer<f
     float* part = partial.data() + i * per_item;
     chunk_fn(s, qd_ + bk * s.R * s.H, rowpos.data(), kbase + bk * s.C * s.H,
              vbase + bk * s.C * s.H, kpbase + bk * s.C, c0, c1, part, part + s.R,
-             part + 2 * s.R, probs == nullptr ? nullptr : probs + bk * s.R * s.C,
+             stats == nullptr ? nullptr : part + 2 * s.R, part + 3 * s.R,
+             probs == nullptr ? nullptr : probs + bk * s.R * s.C,
              ksbase ? ksbase + bk * s.C : nullptr, vsbase ? vsbase + bk * s.C : nullptr);
   });
 
   // Merge the chunks of each row: weights exp(m_chunk - m) of their partial sums and outputs.
+  // With statistics, each chunk's factor over the whole softmax (the new token included)
+  // goes to ``factor`` [B * K, chunks, R] and each row's entropy to stats->entropy.
   std::vector<float> w(n_chunks);
+  std::vector<float> factor(stats == nullptr ? 0 : s.B * s.K * n_chunks * s.R);
   for (int64_t bk = 0; bk < s.B * s.K; ++bk) {
     for (int64_t r = 0; r < s.R; ++r) {
       const float* parts = partial.data() + bk * n_chunks * per_item;
@@ -376,12 +480,38 @@ ffi::Error Attend(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::Buffer<f
       std::fill(orow, orow + s.H, 0.0f);
       for (int64_t c = 0; c < n_chunks; ++c) {
         if (w[c] == 0.0f) continue;
-        const float* acc = parts + c * per_item + 2 * s.R + r * s.H;
+        const float* acc = parts + c * per_item + 3 * s.R + r * s.H;
         for (int64_t h = 0; h < s.H; ++h) orow[h] += w[c] * acc[h];
       }
       for (int64_t h = 0; h < s.H; ++h) orow[h] *= inv;
       om[bk * s.R + r] = top;
       ol[bk * s.R + r] = sum;
+      if (stats != nullptr) {
+        // The new token (T = 1: at the query's own position, seen unless the query is padding).
+        const int64_t b = bk / s.K;
+        const bool valid = pos[b] >= 0;
+        const float* qr = qd_ + (bk * s.R + r) * s.H;
+        const float* kn = stats->k_new + bk * s.H;
+        float dot = 0.0f;
+        for (int64_t h = 0; h < s.H; ++h) dot += qr[h] * kn[h];
+        const float s_new = valid ? dot * s.scale : kNegInf;
+        const float all_top = std::max(top, s_new);
+        const float w_cache = sum * exp_nonpositive(top - all_top);
+        const float e_new = valid ? exp_nonpositive(s_new - all_top) : 0.0f;
+        const float total = std::max(w_cache + e_new, 1e-30f);
+        // entropy = log(total) * sum p - sum p (s - all_top), over the slots and the new token
+        float weighted = e_new * (s_new - all_top) / total, mass = e_new / total;
+        for (int64_t c = 0; c < n_chunks; ++c) {
+          const float* part = parts + c * per_item;
+          const float fc = w[c] * exp_nonpositive(top - all_top) / total;
+          factor[(bk * n_chunks + c) * s.R + r] = fc;
+          if (fc == 0.0f) continue;
+          weighted += fc * (part[2 * s.R + r] + (part[r] - all_top) * part[s.R + r]);
+          mass += fc * part[s.R + r];
+        }
+        stats->entropy[bk * s.R + r] = valid ? std::log(total) * mass - weighted : 0.0f;
+        continue;
+      }
       if (probs == nullptr) continue;
       float* prow = probs + (bk * s.R + r) * s.C;
       for (int64_t c = 0; c < n_chunks; ++c) {
@@ -391,6 +521,15 @@ ffi::Error Attend(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::Buffer<f
         for (int64_t j = c0; j < c1; ++j) prow[j] *= f;
       }
     }
+  }
+  if (stats != nullptr) {
+    ParallelFor(pool, n_items, [&](int64_t i) {
+      const int64_t bk = i / n_chunks, chunk = i % n_chunks;
+      const int64_t c0 = chunk * kChunk, c1 = std::min(s.C, c0 + kChunk);
+      update_stats(s, *stats, bk, c0, c1, probs + bk * s.R * s.C,
+                   factor.data() + (bk * n_chunks + chunk) * s.R, stats->entropy + bk * s.R,
+                   pos[bk / s.K] >= 0);
+    });
   }
   return ffi::Error::Success();
 }
@@ -442,6 +581,87 @@ ffi::Error CacheAttentionProbsInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q
   return Attend<ffi::S8>(pool, q, qpos, keys, values, kpos, layer, out->typed_data(),
                          out_m->typed_data(), out_l->typed_data(), out_p->typed_data(),
                          k_scale.typed_data(), v_scale.typed_data(), window, scale);
+}
+
+// The statistics' stacked arrays (inputs, then the outputs XLA aliases to them, in the order
+// of the bits of ``which``: attn, attn_sq, attn_cum, recent, recent_ent) into ``st``; an
+// output that is not its input's buffer gets the input's values first.
+ffi::Error bind_stats(ffi::RemainingArgs& in, ffi::RemainingRets& out, int64_t which,
+                      const ffi::Buffer<ffi::S32>& kpos, Stats& st) {
+  size_t n = 0;
+  for (int i = 0; i < kNumStats; ++i) {
+    st.stat[i] = nullptr;
+    if (!((which >> i) & 1)) continue;
+    auto a = in.get<ffi::Buffer<ffi::F32>>(n);
+    auto r = out.get<ffi::Buffer<ffi::F32>>(n);
+    if (!a.has_value() || !r.has_value())
+      return ffi::Error::InvalidArgument("cache_attention: a statistic is not float32");
+    ++n;
+    if (a->element_count() != kpos.element_count() || (*r)->element_count() != a->element_count())
+      return ffi::Error::InvalidArgument("cache_attention: statistics [L, B, K, C] as the positions");
+    float* dst = (*r)->typed_data();
+    if (dst != a->typed_data())
+      std::memcpy(dst, a->typed_data(), a->element_count() * sizeof(float));
+    st.stat[i] = dst;
+  }
+  if (n != in.size() || n != out.size())
+    return ffi::Error::InvalidArgument("cache_attention: one statistic array per bit of which");
+  return ffi::Error::Success();
+}
+
+template <ffi::DataType KVType>
+ffi::Error StatsAttend(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q,
+                       ffi::Buffer<ffi::S32>& qpos, ffi::Buffer<KVType>& keys,
+                       ffi::Buffer<KVType>& values, ffi::Buffer<ffi::S32>& kpos,
+                       const float* k_scale, const float* v_scale, ffi::Buffer<ffi::F32>& k_new,
+                       ffi::Buffer<ffi::S32>& layer, ffi::RemainingArgs& stat_in,
+                       ffi::ResultBuffer<ffi::F32>& out, ffi::ResultBuffer<ffi::F32>& out_m,
+                       ffi::ResultBuffer<ffi::F32>& out_l, ffi::ResultBuffer<ffi::F32>& out_ent,
+                       ffi::RemainingRets& stat_out, int64_t window, float scale, float lam,
+                       int64_t which) {
+  auto qd = q.dimensions();
+  if (qd.size() != 4 || k_new.element_count() != qd[0] * qd[1] * qd[3])
+    return ffi::Error::InvalidArgument("cache_attention: k_new [B, K, H]");
+  Stats st{};
+  st.k_new = k_new.typed_data();
+  st.entropy = out_ent->typed_data();
+  st.lam = lam;
+  if (ffi::Error e = bind_stats(stat_in, stat_out, which, kpos, st);
+      e.failure())
+    return e;
+  return Attend<KVType>(pool, q, qpos, keys, values, kpos, layer, out->typed_data(),
+                        out_m->typed_data(), out_l->typed_data(), nullptr, k_scale, v_scale,
+                        window, scale, &st);
+}
+
+template <ffi::DataType KVType>
+ffi::Error CacheAttentionStats(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                               ffi::Buffer<ffi::S32> qpos, ffi::Buffer<KVType> keys,
+                               ffi::Buffer<KVType> values, ffi::Buffer<ffi::S32> kpos,
+                               ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::S32> layer,
+                               ffi::RemainingArgs stat_in, ffi::ResultBuffer<ffi::F32> out,
+                               ffi::ResultBuffer<ffi::F32> out_m, ffi::ResultBuffer<ffi::F32> out_l,
+                               ffi::ResultBuffer<ffi::F32> out_ent, ffi::RemainingRets stat_out,
+                               int64_t window, float scale, float lam, int64_t which) {
+  return StatsAttend<KVType>(pool, q, qpos, keys, values, kpos, nullptr, nullptr, k_new, layer,
+                             stat_in, out, out_m, out_l, out_ent, stat_out, window, scale, lam,
+                             which);
+}
+
+ffi::Error CacheAttentionStatsInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                                   ffi::Buffer<ffi::S32> qpos, ffi::Buffer<ffi::S8> keys,
+                                   ffi::Buffer<ffi::S8> values, ffi::Buffer<ffi::S32> kpos,
+                                   ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
+                                   ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::S32> layer,
+                                   ffi::RemainingArgs stat_in, ffi::ResultBuffer<ffi::F32> out,
+                                   ffi::ResultBuffer<ffi::F32> out_m,
+                                   ffi::ResultBuffer<ffi::F32> out_l,
+                                   ffi::ResultBuffer<ffi::F32> out_ent,
+                                   ffi::RemainingRets stat_out, int64_t window, float scale,
+                                   float lam, int64_t which) {
+  return StatsAttend<ffi::S8>(pool, q, qpos, keys, values, kpos, k_scale.typed_data(),
+                              v_scale.typed_data(), k_new, layer, stat_in, out, out_m, out_l,
+                              out_ent, stat_out, window, scale, lam, which);
 }
 
 }  // namespace
@@ -497,3 +717,52 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvCacheAttentionProbsS8, CacheAttentionProbsInt
                               JAXKV_BIND_INT8.Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("window")
                                   .Attr<float>("scale"));
+
+// The ``Stats`` targets: the new token's key [B, K, H] and the layer, then the statistics'
+// stacked arrays; returned: the output, m, l, the rows' entropies [B, K, R], then the
+// statistics (aliased to their inputs).
+#define JAXKV_STATS_ATTRS                 \
+  .Attr<int64_t>("window")                \
+      .Attr<float>("scale")               \
+      .Attr<float>("lam")                 \
+      .Attr<int64_t>("which")
+
+#define JAXKV_BIND_STATS(kv_type)         \
+  ffi::Ffi::Bind()                        \
+      .Ctx<ffi::ThreadPool>()             \
+      .Arg<ffi::Buffer<ffi::F32>>()       \
+      .Arg<ffi::Buffer<ffi::S32>>()       \
+      .Arg<ffi::Buffer<kv_type>>()        \
+      .Arg<ffi::Buffer<kv_type>>()        \
+      .Arg<ffi::Buffer<ffi::S32>>()       \
+      .Arg<ffi::Buffer<ffi::F32>>()       \
+      .Arg<ffi::Buffer<ffi::S32>>()       \
+      .RemainingArgs()                    \
+      .Ret<ffi::Buffer<ffi::F32>>()       \
+      .Ret<ffi::Buffer<ffi::F32>>()       \
+      .Ret<ffi::Buffer<ffi::F32>>()       \
+      .Ret<ffi::Buffer<ffi::F32>>()       \
+      .RemainingRets() JAXKV_STATS_ATTRS
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvCacheAttentionStatsF32, CacheAttentionStats<ffi::F32>,
+                              JAXKV_BIND_STATS(ffi::F32));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvCacheAttentionStatsF16, CacheAttentionStats<ffi::F16>,
+                              JAXKV_BIND_STATS(ffi::F16));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvCacheAttentionStatsS8, CacheAttentionStatsInt8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .RemainingRets() JAXKV_STATS_ATTRS);
