@@ -54,6 +54,7 @@ import jax.numpy as jnp
 
 from jaxkv import kvcache
 from jaxkv.kvcache import KVCache
+from jaxkv.model import cache_kernel
 from jaxkv.policies import GRANULARITIES as POLICY_GRANULARITIES
 from jaxkv.policies import Policy, get_policy
 from jaxkv.policies.base import PROTOCOLS
@@ -255,7 +256,8 @@ def drop_mask(scores_LBKC, pos_LBKC, budget_B, *, max_drop: int, keep_rows=None)
     n_drop = jnp.maximum(jnp.sum(valid, axis=-1) - keep, 0)
     if keep_rows is not None:
         n_drop = jnp.where(keep_rows, 0, n_drop)
-    s = jnp.where(valid, scores_LBKC.astype(jnp.float32), jnp.inf)
+    s = scores_LBKC.astype(jnp.float32)
+    s = jnp.where(valid, jnp.where(s == 0, 0.0, s), jnp.inf)  # -0.0 ties 0.0 in top_k too
     m = min(max_drop, s.shape[-1])
     if m > _TOP_K_DROPS:  # the same slots without top_k's sort of m candidates per row
         return top_n_mask(-s, jnp.minimum(n_drop, m)[..., None])
@@ -275,6 +277,7 @@ def evict(
     key: jax.Array,
     max_drop: int | None = None,
     keep_rows=None,
+    kernel: bool = False,
 ) -> KVCache:
     """Scores the cache with the policy and frees slots down to each sequence's budget.
 
@@ -288,6 +291,9 @@ def evict(
             after prefill. The decode loop passes ``compression.evict_every``: at most that many
             tokens arrived since the last eviction, and fewer candidates cost less.
         keep_rows: [L, B, K] rows that keep every token (``hybrid_full_rows``), or None.
+        kernel: select with the compiled kernel (``cache_kernel.drop_lowest``: the same
+            slots, one pass per row on XLA's threads) instead of ``drop_mask``; the callers
+            pass ``config.attention == "kernel"`` (the kernels are opt-in).
 
     Returns:
         The cache with the evicted slots freed (``pos == -1``); no key moves.
@@ -317,8 +323,24 @@ def evict(
         # one head may give up the slots of all pooled heads' new tokens
         pooled = pos.shape[2] * (pos.shape[0] if over_layers else 1)
         max_drop = min(max_drop * pooled, cache.capacity)
+    if kernel:
+        return _drop_lowest(cache, scores, pos, keep, max_drop=max_drop, keep_rows=keep_rows)
     drop = drop_mask(scores, pos, keep, max_drop=max_drop, keep_rows=keep_rows)
     return kvcache.free_slots(cache, drop)
+
+
+def _drop_lowest(cache: KVCache, scores, pos, keep, *, max_drop: int, keep_rows) -> KVCache:
+    """``free_slots(cache, drop_mask(...))`` through ``cache_kernel.drop_lowest``: ``pos`` is
+    the cache's own (updated in place) or one row per token set (whose freed slots are then
+    freed in every row of the set)."""
+    keep_LBK = keep[None, :, None] if keep.ndim == 1 else keep
+    keep_LBK = jnp.broadcast_to(keep_LBK, pos.shape[:3])
+    if keep_rows is not None:
+        keep_LBK = jnp.where(keep_rows, jnp.iinfo(jnp.int32).max, keep_LBK)
+    new = cache_kernel.drop_lowest(scores, pos, keep_LBK, max_drop=min(max_drop, pos.shape[-1]))
+    if pos.shape == cache.pos.shape:
+        return cache.replace(pos=new)
+    return kvcache.free_slots(cache, new < 0)
 
 
 def adaptive_budgets(

@@ -118,6 +118,7 @@ def decode_loop(
                     key=jax.random.fold_in(evict_key, s.step),
                     max_drop=compression.evict_every,
                     keep_rows=s.keep_rows,
+                    kernel=config.attention == "kernel",
                 ),
                 lambda c: c,
                 cache,
@@ -147,6 +148,7 @@ def prefill_compressed(
             key=key,
             max_drop=cache.capacity,
             keep_rows=keep_rows,
+            kernel=config.attention == "kernel",
         )
     if cache.capacity > capacity:
         cache = kvcache.compact(cache, capacity)
@@ -458,6 +460,7 @@ def _teacher_forced_jit(
                     key=jax.random.fold_in(evict_key, i),
                     max_drop=compression.evict_every,
                     keep_rows=keep_rows,
+                    kernel=config.attention == "kernel",
                 ),
                 lambda c: c,
                 cache,

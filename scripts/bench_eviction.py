@@ -170,6 +170,7 @@ def main():
         "smollm2-135m", dtype=args.dtype, attention=args.attention, matmul=args.matmul
     )
     cfg, params = model.config, model.params
+    kernel = cfg.attention == "kernel"  # eviction selects with the kernel too
     n_max = args.context + args.steps
     tok = jnp.zeros((args.batch,), jnp.int32)
 
@@ -186,7 +187,9 @@ def main():
         def step(ct):
             if with_decode:
                 ct = jax.lax.fori_loop(0, k, lambda _, ct: decode(ct), ct)
-            c = eviction.evict(ct[0], comp, state, key=jax.random.key(0), max_drop=k)
+            c = eviction.evict(
+                ct[0], comp, state, key=jax.random.key(0), max_drop=k, kernel=kernel
+            )
             return c, ct[1]
 
         return jax.jit(step, donate_argnums=0)

@@ -12,7 +12,7 @@ from jaxkv import eviction, kvcache, stats
 from jaxkv.config import ModelConfig
 from jaxkv.eviction import Compression
 from jaxkv.generate import DecodeState, Sampling, decode_loop, generate_tokens, teacher_forced
-from jaxkv.model import decoder
+from jaxkv.model import cache_kernel, decoder
 from jaxkv.model.params import init_params
 from jaxkv.policies import Policy, get_policy, policy_names
 from jaxkv.policies.learned import init_mlp, learned_policy
@@ -210,11 +210,24 @@ def _reference_drops(scores, pos, keep, max_drop, keep_rows):
     return drop
 
 
+def _needs_kernel(select):
+    if select == "kernel" and not cache_kernel.available():
+        pytest.skip(f"no compiled kernels here: {cache_kernel.unavailable_reason()}")
+
+
+def _kernel_drops(scores, pos, keep, *, max_drop, keep_rows):
+    keep = jnp.where(keep_rows, jnp.iinfo(jnp.int32).max, keep)
+    return cache_kernel.drop_lowest(scores, pos, keep, max_drop=max_drop) < 0
+
+
+@pytest.mark.parametrize("select", ["xla", "kernel"])
 @pytest.mark.parametrize("max_drop", [1, 3, eviction._TOP_K_DROPS + 1, 200])
-def test_drop_mask_frees_each_rows_lowest_slots_as_written_out(max_drop):
-    """Both ways of taking the candidates (lax.top_k up to _TOP_K_DROPS, a bisection above)
-    against the reference: ties everywhere (+-0.0 among them), free slots, per-row budgets,
-    rows that keep everything, rows asked to drop more than max_drop."""
+def test_drop_mask_frees_each_rows_lowest_slots_as_written_out(max_drop, select):
+    """Both ways of taking the candidates (lax.top_k up to _TOP_K_DROPS, a bisection above),
+    and the compiled kernel (its sorted buffer up to 64 drops, a partial sort above), against
+    the reference: ties everywhere (+-0.0 among them), free slots, per-row budgets, rows that
+    keep everything, rows asked to drop more than max_drop."""
+    _needs_kernel(select)
     rng = np.random.default_rng(7)
     L, B, K, C = 2, 2, 3, 150
     scores = rng.choice(np.float32([-0.0, 0.0, 0.5, 2.0, -1.0]), size=(L, B, K, C))
@@ -223,7 +236,8 @@ def test_drop_mask_frees_each_rows_lowest_slots_as_written_out(max_drop):
     keep = rng.integers(0, 120, size=(L, B, K)).astype(np.int32)
     keep_rows = np.zeros((L, B, K), bool)
     keep_rows[1, 1, 2] = True
-    got = eviction.drop_mask(
+    drops = eviction.drop_mask if select == "xla" else _kernel_drops
+    got = drops(
         jnp.asarray(scores),
         jnp.asarray(pos),
         jnp.asarray(keep),
@@ -231,8 +245,28 @@ def test_drop_mask_frees_each_rows_lowest_slots_as_written_out(max_drop):
         keep_rows=jnp.asarray(keep_rows),
     )
     want = _reference_drops(scores, pos, keep, max_drop, keep_rows)
-    np.testing.assert_array_equal(np.asarray(got), want)
+    np.testing.assert_array_equal(np.asarray(got) & (pos >= 0), want)
     assert max_drop == 200 or (want.sum(-1) == max_drop).any()  # the bound binds in a row
+
+
+@pytest.mark.parametrize("granularity", eviction.GRANULARITIES)
+def test_eviction_through_the_kernel_frees_the_same_slots(granularity):
+    """``evict(kernel=True)`` (``cache_kernel.drop_lowest``) frees exactly the slots
+    ``drop_mask`` frees, at every granularity (token sets, per-row and pooled budgets), with
+    and without rows that keep everything, after prefill and for a few decode drops."""
+    _needs_kernel("kernel")
+    comp = Compression.make("h2o", ratio=0.5, min_budget=4, granularity=granularity)
+    tokens = jax.random.randint(jax.random.key(3), (2, 24), 0, CFG.vocab_size)
+    cache = kvcache.init_cache(CFG, batch_size=2, capacity=24, stats=comp.stats)
+    _, cache = decoder.prefill(PARAMS, tokens, cache, config=CFG)
+    rows = jnp.zeros(cache.pos.shape[:3], bool).at[0, 1, 0].set(True)
+    for keep_rows in (None, rows):
+        for max_drop in (cache.capacity, 3):
+            kw = dict(key=jax.random.key(0), max_drop=max_drop, keep_rows=keep_rows)
+            want = eviction.evict(cache, comp, None, **kw)
+            got = eviction.evict(cache, comp, None, **kw, kernel=True)
+            np.testing.assert_array_equal(np.asarray(got.pos), np.asarray(want.pos))
+            assert (np.asarray(got.pos) < 0).sum() > (np.asarray(cache.pos) < 0).sum()
 
 
 def test_sliding_window_positions_stay_right_after_eviction():

@@ -9,10 +9,13 @@ value dot copies each layer's values out of the stacked cache before reading the
 (results/profile_decode.md). ``csrc/cache_attention.cc`` (an XLA FFI target) reads every
 cached key and value once, for all the query rows of its KV head, straight out of the stacked
 ``[L, B, K, C, H]`` arrays, with the layer index as an operand (so nothing is sliced or
-copied), on XLA's intra-op threads. ``csrc/stacked_matmul.cc`` does the same for the weights
-of a decode step with 2-16 rows (a batch of sequences; 1-16 for int8 weights), where XLA:CPU
-copies each layer's slice of the stacked weights out before its dot
-(``jaxkv.model.weights_int8.LayerWeight``).
+copied), on XLA's intra-op threads; in a decode step it can also update the layer's attention
+statistics in place (``cache_attention_stats``), so their probabilities never go through
+memory and XLA never merges the stacked statistics. ``csrc/stacked_matmul.cc`` does the same
+for the weights of a decode step with 2-16 rows (a batch of sequences; 1-16 for int8
+weights), where XLA:CPU copies each layer's slice of the stacked weights out before its dot
+(``jaxkv.model.weights_int8.LayerWeight``). ``csrc/drop_lowest.cc`` is eviction's selection
+(``drop_lowest``: each row's lowest-scored slots freed in place, in one pass).
 XLA computes a prompt's attention in blocks of queries whose scores go through memory
 several times (``layers.causal_block_attention``); ``csrc/causal_attention.cc`` keeps each
 group of queries' scores in registers and its softmax online, and masks only the blocks on
@@ -59,6 +62,7 @@ _SYMBOLS = (
     }
     | {f"jaxkv_stacked_matmul_{t}": f"JaxkvStackedMatmul{t.upper()}" for t in ("f32", "s8")}
     | {"jaxkv_causal_attention_f32": "JaxkvCausalAttentionF32"}
+    | {"jaxkv_drop_lowest": "JaxkvDropLowest"}
 )
 DTYPES = tuple(_SUFFIX)
 """Cache storage dtypes the kernel reads (others keep the XLA attention)."""
@@ -388,4 +392,38 @@ def stacked_matmul(x_TI, values_LOI, layer, scales_LO1=None):
     scales = () if scales_LO1 is None else (scales_LO1.astype(jnp.float32),)
     return call(
         x_TI.astype(jnp.float32), values_LOI, *scales, jnp.asarray(layer, jnp.int32).reshape(1)
+    )
+
+
+def drop_lowest(scores_LBKC, pos_LBKC, keep_LBK, *, max_drop: int):
+    """Eviction's selection in place (``csrc/drop_lowest.cc``): each row's positions with its
+    ``min(occupied - keep, max_drop)`` lowest-scored occupied slots freed (-1), the slots
+    ``jaxkv.eviction.drop_mask`` picks (ties to the lower slot index; its order of NaN
+    scores), one pass over each row on XLA's threads.
+
+    Args:
+        scores_LBKC: float scores, one per slot ([..., C]).
+        pos_LBKC: the slots' positions (-1: empty), the same shape.
+        keep_LBK: int, how many occupied slots each row keeps.
+        max_drop: at most this many slots freed per row (static).
+    """
+    ok, why = _load()
+    if not ok:
+        raise RuntimeError(f"the eviction kernel is unavailable: {why}")
+    if scores_LBKC.shape != pos_LBKC.shape or keep_LBK.shape != pos_LBKC.shape[:-1]:
+        raise ValueError(
+            f"scores {scores_LBKC.shape}, positions {pos_LBKC.shape} and budgets "
+            f"{keep_LBK.shape}: [..., C], [..., C] and [...]"
+        )
+    call = jax.ffi.ffi_call(
+        "jaxkv_drop_lowest",
+        jax.ShapeDtypeStruct(pos_LBKC.shape, jnp.int32),
+        vmap_method="sequential",
+        input_output_aliases={1: 0},
+    )
+    return call(
+        scores_LBKC.astype(jnp.float32),
+        pos_LBKC.astype(jnp.int32),
+        keep_LBK.astype(jnp.int32),
+        max_drop=np.int64(max_drop),
     )
