@@ -187,9 +187,7 @@ def main():
         def step(ct):
             if with_decode:
                 ct = jax.lax.fori_loop(0, k, lambda _, ct: decode(ct), ct)
-            c = eviction.evict(
-                ct[0], comp, state, key=jax.random.key(0), max_drop=k, kernel=kernel
-            )
+            c = eviction.evict(ct[0], comp, state, key=jax.random.key(0), max_drop=k, kernel=kernel)
             return c, ct[1]
 
         return jax.jit(step, donate_argnums=0)
