@@ -71,6 +71,9 @@ CASES = {  # name: (B, K, G, T, H, C, window, dtype)
     "odd head size": (1, 2, 2, 1, 16, 70, None, jnp.float32),
     "decode, int8 cache": (2, 3, 3, 1, 64, 1030, 300, jnp.int8),
     "several tokens, int8": (2, 2, 3, 2, 64, 90, None, jnp.int8),
+    # from cache_attention.cc's kFusedPairs (b, k) pairs, one work item per pair with statistics
+    "decode, many pairs": (4, 3, 3, 1, 64, 1030, None, jnp.float32),
+    "decode, many pairs, int8, window": (3, 3, 3, 1, 64, 700, 300, jnp.int8),
 }
 
 

@@ -415,7 +415,7 @@ def extend(
     # A decode step through the kernel updates the statistics inside it (no probabilities).
     stats_in_kernel = kernel and weights is not None and T == 1
 
-    def _moments(q_pre, q_acc_l):
+    def moments_of(q_pre, q_acc_l):
         if q_weights is None:
             return None
         new_moments = attn_stats.query_moments(q_pre, q_weights, config.n_kv_heads)
@@ -434,7 +434,7 @@ def extend(
             x = _finish_layer(lp, x, attn, config)
             (new,) = attn_stats.contributions((p_new,), weights, names, entropy_BKGT=entropy)
             new.update(_value_stats(lp, v, names))
-            return (x, stats), (k, v, new, _moments(q_pre, q_acc_l))
+            return (x, stats), (k, v, new, moments_of(q_pre, q_acc_l))
         if kernel:  # reads the stacked cache itself, layer i
             attn, p_cache, p_new = _kernel_attention(
                 q, k, v, pos_BT, i, cache, config, probabilities=weights is not None
@@ -442,7 +442,7 @@ def extend(
         else:
             attn, p_cache, p_new = _cached_attention(q, k, v, pos_BT, cached, config)
         x = _finish_layer(lp, x, attn, config)
-        moments = _moments(q_pre, q_acc_l)
+        moments = moments_of(q_pre, q_acc_l)
         if weights is None:
             return (x, stats), (k, v, None, moments)
         old, new = attn_stats.contributions((p_cache, p_new), weights, names)

@@ -35,6 +35,8 @@ using namespace jaxkv_simd;
 
 constexpr float kNegInf = -1e30f;
 constexpr int64_t kChunk = 512;  // slots per work item (128 KB of float32 keys at H = 64)
+// From this many (b, k) pairs, a decode step with statistics gives each pair one work item.
+constexpr int64_t kFusedPairs = 8;
 
 template <typename T>
 inline float widen(T x) {
@@ -446,7 +448,7 @@ ffi::Error Attend(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::Buffer<f
   const float* vsbase = v_scale ? v_scale + s.layer * s.B * s.K * s.C : nullptr;
 
   const ChunkFn<KV> chunk_fn = pick<KV>(s);
-  ParallelFor(pool, n_items, [&](int64_t i) {
+  auto attend_chunk = [&](int64_t i) {
     std::vector<int32_t> rowpos(s.R);
     const int64_t bk = i / n_chunks, chunk = i % n_chunks, b = bk / s.K;
     for (int64_t r = 0; r < s.R; ++r) rowpos[r] = pos[b * s.T + r % s.T];
@@ -457,14 +459,14 @@ ffi::Error Attend(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::Buffer<f
              stats == nullptr ? nullptr : part + 2 * s.R, part + 3 * s.R,
              probs == nullptr ? nullptr : probs + bk * s.R * s.C,
              ksbase ? ksbase + bk * s.C : nullptr, vsbase ? vsbase + bk * s.C : nullptr);
-  });
+  };
 
-  // Merge the chunks of each row: weights exp(m_chunk - m) of their partial sums and outputs.
-  // With statistics, each chunk's factor over the whole softmax (the new token included)
-  // goes to ``factor`` [B * K, chunks, R] and each row's entropy to stats->entropy.
-  std::vector<float> w(n_chunks);
+  // Merge the chunks of each row of (b, k) = bk: weights exp(m_chunk - m) of their partial
+  // sums and outputs (``w``: one per chunk). With statistics, each chunk's factor over the
+  // whole softmax (the new token included) goes to ``factor`` [B * K, chunks, R] and each
+  // row's entropy to stats->entropy.
   std::vector<float> factor(stats == nullptr ? 0 : s.B * s.K * n_chunks * s.R);
-  for (int64_t bk = 0; bk < s.B * s.K; ++bk) {
+  auto merge_pair = [&](int64_t bk, float* w) {
     for (int64_t r = 0; r < s.R; ++r) {
       const float* parts = partial.data() + bk * n_chunks * per_item;
       float top = kNegInf;
@@ -521,16 +523,31 @@ ffi::Error Attend(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::Buffer<f
         for (int64_t j = c0; j < c1; ++j) prow[j] *= f;
       }
     }
-  }
-  if (stats != nullptr) {
-    ParallelFor(pool, n_items, [&](int64_t i) {
-      const int64_t bk = i / n_chunks, chunk = i % n_chunks;
-      const int64_t c0 = chunk * kChunk, c1 = std::min(s.C, c0 + kChunk);
-      update_stats(s, *stats, bk, c0, c1, probs + bk * s.R * s.C,
-                   factor.data() + (bk * n_chunks + chunk) * s.R, stats->entropy + bk * s.R,
-                   pos[bk / s.K] >= 0);
+  };
+  auto update_pair_chunk = [&](int64_t bk, int64_t chunk) {
+    const int64_t c0 = chunk * kChunk, c1 = std::min(s.C, c0 + kChunk);
+    update_stats(s, *stats, bk, c0, c1, probs + bk * s.R * s.C,
+                 factor.data() + (bk * n_chunks + chunk) * s.R, stats->entropy + bk * s.R,
+                 pos[bk / s.K] >= 0);
+  };
+
+  if (stats != nullptr && s.B * s.K >= kFusedPairs) {
+    // Statistics with many (b, k) pairs: each pair's chunks, merge and statistics in one work
+    // item, its exponentials still in the core's cache when the statistics read them, and
+    // one pass over the thread pool instead of two.
+    ParallelFor(pool, s.B * s.K, [&](int64_t bk) {
+      std::vector<float> w(n_chunks);
+      for (int64_t c = 0; c < n_chunks; ++c) attend_chunk(bk * n_chunks + c);
+      merge_pair(bk, w.data());
+      for (int64_t c = 0; c < n_chunks; ++c) update_pair_chunk(bk, c);
     });
+    return ffi::Error::Success();
   }
+  ParallelFor(pool, n_items, attend_chunk);
+  std::vector<float> w(n_chunks);
+  for (int64_t bk = 0; bk < s.B * s.K; ++bk) merge_pair(bk, w.data());
+  if (stats != nullptr)
+    ParallelFor(pool, n_items, [&](int64_t i) { update_pair_chunk(i / n_chunks, i % n_chunks); });
   return ffi::Error::Success();
 }
 
