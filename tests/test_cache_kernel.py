@@ -61,6 +61,27 @@ def reference(q, qpos, keys, values, kpos, layer, window):
     return o, m, total, p_all
 
 
+def random_cache(rng, shape_LBKCH, dtype):
+    """A random stacked cache: keys, values, an int8 cache's per-slot scales (as
+    kvcache.quantize stores them; else None), the float64 keys and values they stand for, and
+    slot positions in shuffled order (as after eviction), some empty, some in the future."""
+    L, B, K, C, H = shape_LBKCH
+    keys, values = (jnp.asarray(rng.normal(size=shape_LBKCH), dtype) for _ in range(2))
+    scales, dense = None, (keys, values)
+    if dtype == jnp.int8:
+        keys, values = (jnp.asarray(rng.integers(-127, 128, shape_LBKCH), dtype) for _ in "kv")
+        scales = tuple(
+            jnp.asarray(rng.uniform(0.005, 0.02, (L, B, K, C)), jnp.float32) for _ in "kv"
+        )
+        dense = [
+            np.asarray(x, np.float64) * np.asarray(sc)[..., None]
+            for x, sc in zip((keys, values), scales, strict=True)
+        ]
+    kpos = np.stack([rng.permutation(C) for _ in range(L * B * K)]).reshape(L, B, K, C)
+    kpos = np.where(rng.random(kpos.shape) < 0.1, -1, kpos).astype(np.int32)
+    return keys, values, scales, dense, kpos
+
+
 CASES = {  # name: (B, K, G, T, H, C, window, dtype)
     "decode, fixed path": (2, 3, 3, 1, 64, 1030, None, jnp.float32),
     "decode, window": (1, 2, 3, 1, 64, 700, 300, jnp.float32),
@@ -83,20 +104,7 @@ def test_the_kernel_equals_a_brute_force_softmax(case):
     L, layer = 3, 1
     rng = np.random.default_rng(len(case))
     q = jnp.asarray(rng.normal(size=(B, K, G, T, H)), jnp.float32)
-    keys, values = (jnp.asarray(rng.normal(size=(L, B, K, C, H)), dtype) for _ in range(2))
-    scales, dense = None, (keys, values)
-    if dtype == jnp.int8:  # int8 values and per-slot scales, as kvcache.quantize stores them
-        keys, values = (jnp.asarray(rng.integers(-127, 128, (L, B, K, C, H)), dtype) for _ in "kv")
-        scales = tuple(
-            jnp.asarray(rng.uniform(0.005, 0.02, (L, B, K, C)), jnp.float32) for _ in "kv"
-        )
-        dense = [
-            np.asarray(x, np.float64) * np.asarray(sc)[..., None]
-            for x, sc in zip((keys, values), scales, strict=True)
-        ]
-    # slots in shuffled order (as after eviction), some empty, some in the future
-    kpos = np.stack([rng.permutation(C) for _ in range(L * B * K)]).reshape(L, B, K, C)
-    kpos = np.where(rng.random(kpos.shape) < 0.1, -1, kpos).astype(np.int32)
+    keys, values, scales, dense, kpos = random_cache(rng, (L, B, K, C, H), dtype)
     qpos = np.tile(np.arange(C - T - 20, C - 20, dtype=np.int32), (B, 1))
     if B > 1:
         qpos[-1, -1] = -1  # a padding query sees nothing
@@ -151,19 +159,7 @@ def test_statistics_in_place_equal_a_brute_force_reference(case):
     rng = np.random.default_rng(len(case) + 1)
     q = jnp.asarray(rng.normal(size=(B, K, G, T, H)), jnp.float32)
     k_new = rng.normal(size=(B, K, H)).astype(np.float32)
-    keys, values = (jnp.asarray(rng.normal(size=(L, B, K, C, H)), dtype) for _ in range(2))
-    scales, dense = None, (keys, values)
-    if dtype == jnp.int8:
-        keys, values = (jnp.asarray(rng.integers(-127, 128, (L, B, K, C, H)), dtype) for _ in "kv")
-        scales = tuple(
-            jnp.asarray(rng.uniform(0.005, 0.02, (L, B, K, C)), jnp.float32) for _ in "kv"
-        )
-        dense = [
-            np.asarray(x, np.float64) * np.asarray(sc)[..., None]
-            for x, sc in zip((keys, values), scales, strict=True)
-        ]
-    kpos = np.stack([rng.permutation(C) for _ in range(L * B * K)]).reshape(L, B, K, C)
-    kpos = np.where(rng.random(kpos.shape) < 0.1, -1, kpos).astype(np.int32)
+    keys, values, scales, dense, kpos = random_cache(rng, (L, B, K, C, H), dtype)
     qpos = np.full((B, 1), C - 20, np.int32)
     if B > 1:
         qpos[-1, 0] = -1  # a padding query: no contribution, its recent statistics decay

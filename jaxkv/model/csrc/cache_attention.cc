@@ -685,14 +685,18 @@ ffi::Error CacheAttentionStatsInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q
 
 // The same signature for each storage type of the cache; the ``Probs`` targets also return
 // the probabilities of the cache slots (for the attention statistics).
-#define JAXKV_BIND(kv_type)                \
+// The queries, their positions, the keys, the values and the slots' positions.
+#define JAXKV_BIND_CACHE(kv_type)          \
   ffi::Ffi::Bind()                         \
       .Ctx<ffi::ThreadPool>()              \
       .Arg<ffi::Buffer<ffi::F32>>()        \
       .Arg<ffi::Buffer<ffi::S32>>()        \
       .Arg<ffi::Buffer<kv_type>>()         \
       .Arg<ffi::Buffer<kv_type>>()         \
-      .Arg<ffi::Buffer<ffi::S32>>()        \
+      .Arg<ffi::Buffer<ffi::S32>>()
+
+#define JAXKV_BIND(kv_type)                \
+  JAXKV_BIND_CACHE(kv_type)                \
       .Arg<ffi::Buffer<ffi::S32>>()        \
       .Ret<ffi::Buffer<ffi::F32>>()        \
       .Ret<ffi::Buffer<ffi::F32>>()        \
@@ -714,13 +718,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvCacheAttentionProbsF16, CacheAttentionProbs<f
                                   .Attr<float>("scale"));
 
 #define JAXKV_BIND_INT8                  \
-  ffi::Ffi::Bind()                       \
-      .Ctx<ffi::ThreadPool>()            \
-      .Arg<ffi::Buffer<ffi::F32>>()      \
-      .Arg<ffi::Buffer<ffi::S32>>()      \
-      .Arg<ffi::Buffer<ffi::S8>>()       \
-      .Arg<ffi::Buffer<ffi::S8>>()       \
-      .Arg<ffi::Buffer<ffi::S32>>()      \
+  JAXKV_BIND_CACHE(ffi::S8)              \
       .Arg<ffi::Buffer<ffi::F32>>()      \
       .Arg<ffi::Buffer<ffi::F32>>()      \
       .Arg<ffi::Buffer<ffi::S32>>()      \
@@ -744,15 +742,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvCacheAttentionProbsS8, CacheAttentionProbsInt
       .Attr<float>("lam")                 \
       .Attr<int64_t>("which")
 
-#define JAXKV_BIND_STATS(kv_type)         \
-  ffi::Ffi::Bind()                        \
-      .Ctx<ffi::ThreadPool>()             \
-      .Arg<ffi::Buffer<ffi::F32>>()       \
-      .Arg<ffi::Buffer<ffi::S32>>()       \
-      .Arg<ffi::Buffer<kv_type>>()        \
-      .Arg<ffi::Buffer<kv_type>>()        \
-      .Arg<ffi::Buffer<ffi::S32>>()       \
-      .Arg<ffi::Buffer<ffi::F32>>()       \
+// After the cache's arguments (and an int8 cache's two scales): k_new, the layer, then the
+// statistics.
+#define JAXKV_BIND_STATS(bound)           \
+  bound.Arg<ffi::Buffer<ffi::F32>>()      \
       .Arg<ffi::Buffer<ffi::S32>>()       \
       .RemainingArgs()                    \
       .Ret<ffi::Buffer<ffi::F32>>()       \
@@ -762,24 +755,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvCacheAttentionProbsS8, CacheAttentionProbsInt
       .RemainingRets() JAXKV_STATS_ATTRS
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvCacheAttentionStatsF32, CacheAttentionStats<ffi::F32>,
-                              JAXKV_BIND_STATS(ffi::F32));
+                              JAXKV_BIND_STATS(JAXKV_BIND_CACHE(ffi::F32)));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvCacheAttentionStatsF16, CacheAttentionStats<ffi::F16>,
-                              JAXKV_BIND_STATS(ffi::F16));
+                              JAXKV_BIND_STATS(JAXKV_BIND_CACHE(ffi::F16)));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvCacheAttentionStatsS8, CacheAttentionStatsInt8,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .RemainingArgs()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .RemainingRets() JAXKV_STATS_ATTRS);
+                              JAXKV_BIND_STATS(JAXKV_BIND_CACHE(ffi::S8)
+                                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                                   .Arg<ffi::Buffer<ffi::F32>>()));
