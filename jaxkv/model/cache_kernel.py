@@ -154,6 +154,14 @@ def supports(dtype) -> bool:
     return jnp.dtype(dtype) in _SUFFIX
 
 
+def _scale_args(keys_LBKCH, scales) -> tuple:
+    """An int8 cache's key and value scales as the kernel's float32 arguments (none for a
+    float cache); a ValueError unless scales come with an int8 cache and only with one."""
+    if (scales is None) != (keys_LBKCH.dtype != jnp.int8):
+        raise ValueError("an int8 cache needs its scales, and only an int8 cache has them")
+    return () if scales is None else tuple(s.astype(jnp.float32) for s in scales)
+
+
 def cache_attention(
     q_BKGTH,
     pos_BT,
@@ -205,15 +213,13 @@ def cache_attention(
     call = jax.ffi.ffi_call(
         f"{target}_{_SUFFIX[jnp.dtype(keys_LBKCH.dtype)]}", out_types, vmap_method="sequential"
     )
-    if (scales is None) != (keys_LBKCH.dtype != jnp.int8):
-        raise ValueError("an int8 cache needs its scales, and only an int8 cache has them")
     o, top, total, *p = call(
         q,
         pos_BT.astype(jnp.int32),
         keys_LBKCH,
         values_LBKCH,
         kpos_LBKC.astype(jnp.int32),
-        *(() if scales is None else (s.astype(jnp.float32) for s in scales)),
+        *_scale_args(keys_LBKCH, scales),
         jnp.asarray(layer, jnp.int32).reshape(1),
         window=np.int64(window or 0),
         scale=np.float32(H**-0.5),
@@ -268,8 +274,6 @@ def cache_attention_stats(
     unknown = set(stats) - set(STATS_IN_PLACE)
     if unknown:
         raise ValueError(f"no in-place update for {sorted(unknown)}")
-    if (scales is None) != (keys_LBKCH.dtype != jnp.int8):
-        raise ValueError("an int8 cache needs its scales, and only an int8 cache has them")
     names = [n for n in STATS_IN_PLACE if n in stats]
     arrays = [stats[n].astype(jnp.float32) for n in names]
     head = (
@@ -278,7 +282,7 @@ def cache_attention_stats(
         keys_LBKCH,
         values_LBKCH,
         kpos_LBKC.astype(jnp.int32),
-        *(() if scales is None else (s.astype(jnp.float32) for s in scales)),
+        *_scale_args(keys_LBKCH, scales),
         k_new_BKH.astype(jnp.float32),
         jnp.asarray(layer, jnp.int32).reshape(1),
     )

@@ -357,20 +357,12 @@ inline void update_stats(const Shape& s, const Stats& st, int64_t bk, int64_t c0
   float a[kChunk], a2[kChunk], ae[kChunk];
   const float g = valid ? 1.0f / static_cast<float>(s.R) : 0.0f;
   const bool want_sq = st.stat[kAttnSq] != nullptr, want_ent = st.stat[kRecentEnt] != nullptr;
+  std::fill(a, a + n, 0.0f);
+  if (want_sq) std::fill(a2, a2 + n, 0.0f);
+  if (want_ent) std::fill(ae, ae + n, 0.0f);
   for (int64_t r = 0; r < s.R; ++r) {
     const float* __restrict er = e + r * s.C + c0;
     const float fr = f[r], fe = f[r] * ent[r];
-    if (r == 0) {
-#pragma omp simd
-      for (int64_t j = 0; j < n; ++j) a[j] = er[j] * fr;
-      if (want_sq)
-#pragma omp simd
-        for (int64_t j = 0; j < n; ++j) a2[j] = (er[j] * fr) * (er[j] * fr);
-      if (want_ent)
-#pragma omp simd
-        for (int64_t j = 0; j < n; ++j) ae[j] = er[j] * fe;
-      continue;
-    }
 #pragma omp simd
     for (int64_t j = 0; j < n; ++j) a[j] += er[j] * fr;
     if (want_sq)
