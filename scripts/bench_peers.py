@@ -471,7 +471,7 @@ def make_engines(args, client):
 def with_kernel(model):
     """The model with ``config.attention="kernel"`` and ``config.matmul="kernel"`` (the
     compiled CPU kernels, built here first: a clear error if not; the attention kernels
-    apply to decode and prefill rows, the matmul kernel to the batch-8 rows only, reading the
+    apply to decode and prefill rows, the matmul kernel to the decode rows, reading the
     out-first or int8 weights the engines have)."""
     from jaxkv.model import cache_kernel
 
@@ -638,7 +638,7 @@ def main():
         action="store_true",
         help="also jaxkv with config.attention='kernel' and config.matmul='kernel' (the "
         "compiled CPU kernels of jaxkv.model.cache_kernel: attention in decode and prefill, "
-        "the matmul one at batch 8): "
+        "the matmul one in decode): "
         "out-first f32 (with --out-first) and int8 weights, each "
         "with the f32 KV cache, (with --f16-cache) the f16 one and (int8 weights, with "
         "--int8-cache) the int8 one",

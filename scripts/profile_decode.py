@@ -608,8 +608,13 @@ def kv_compare(model, kv_dtype, rows, reps):
 
 def _with_attention(model, attention: str):
     """``model`` (a loaded model or one of this script's wrappers) with ``config.attention``."""
+    return _with_config(model, attention=attention)
+
+
+def _with_config(model, **changes):
+    """``model`` (a loaded model or one of this script's wrappers) with ``config`` changed."""
     m = copy.copy(model)
-    object.__setattr__(m, "config", model.config.replace(attention=attention))
+    object.__setattr__(m, "config", model.config.replace(**changes))
     return m
 
 
@@ -1157,6 +1162,18 @@ def main():
     ap.add_argument(
         "--kv-dtype", default=None, help="``profile``: the cache's storage (int8, float16)"
     )
+    ap.add_argument(
+        "--attention",
+        choices=["xla", "kernel"],
+        default="xla",
+        help="``profile``: config.attention of the profiled model",
+    )
+    ap.add_argument(
+        "--matmul",
+        choices=["xla", "kernel"],
+        default="xla",
+        help="``profile``: config.matmul of the profiled model (kernel: out-first or int8 weights)",
+    )
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument(
@@ -1188,6 +1205,7 @@ def main():
     elif args.dtype == "out-first":
         model = OutFirstModel(model)
     if args.what == "profile":
+        model = _with_config(model, attention=args.attention, matmul=args.matmul)
         print(
             profile_table(
                 *profile(

@@ -108,8 +108,7 @@ def matmul_flag(parser: argparse.ArgumentParser) -> None:
         "--matmul",
         default="xla",
         choices=MATMUL_IMPLEMENTATIONS,
-        help="how decode steps of 2-16 rows (a batch of prompts; 1-16 with int8 weights) "
-        "multiply by the weights: xla "
+        help="how decode steps of 1-16 rows (a batch of prompts) multiply by the weights: xla "
         "(default) or kernel, a C++ CPU kernel built on first use that reads each layer's "
         "weights in place (float weights are then stored out-first)",
     )

@@ -355,21 +355,13 @@ def causal_attention(q_BKGTH, k_BKTH, v_BKTH, pos_BT, *, window):
     )
 
 
-MATMUL_ROWS = (2, 16)
-"""Rows of ``x`` (sequences x new tokens) for which a decode step's float32 weights go through
-``stacked_matmul``: one row is XLA's fused in-place loop (``weights_int8._matmul_t``), as fast
-or faster (session 48: a batch-1 step at 1K took 36.5 ms through the kernel against 34.5);
-many rows (prefill) are XLA's blocked matmuls."""
-
-MATMUL_ROWS_INT8 = (1, 16)
-"""The same for int8 weights, from one row: at batch 1 the kernel, widening 16 weights per
-instruction pair, beats XLA's fused dequantize-and-dot loop (session 48: a batch-1 step 16.8
-against 20.1 ms at 1K, 25.5 against 28.7 ms at 4K)."""
-
-
-def matmul_rows(int8: bool) -> tuple[int, int]:
-    """``MATMUL_ROWS_INT8`` for int8 weights, else ``MATMUL_ROWS``."""
-    return MATMUL_ROWS_INT8 if int8 else MATMUL_ROWS
+MATMUL_ROWS = (1, 16)
+"""Rows of ``x`` (sequences x new tokens) for which a decode step's out-first float32 or int8
+weights go through ``stacked_matmul``; many rows (prefill) are XLA's blocked matmuls. From one
+row: at batch 1 the kernel reads each output channel's weights whole, one sequential stream
+per work item, ahead of XLA's fused loop (session 50: a batch-1 step 1.12-1.19x faster with
+float32 weights, where the kernel's 8-row tiles had tied XLA; int8 weights took the kernel
+from one row since session 48)."""
 
 
 def stacked_matmul(x_TI, values_LOI, layer, scales_LO1=None):

@@ -18,11 +18,10 @@ weights at batch 1 when they are stored output channels first
 (``weights_int8.transpose_params``, and int8 weights). With ``config.attention == "kernel"``
 new tokens attend over the cache through ``jaxkv.model.cache_kernel``, a compiled CPU kernel
 that reads the stacked cache in place, each key and value once (results/profile_decode.md,
-"Session 43"); with ``config.matmul == "kernel"`` a step of 2-16 rows (1-16 with int8
-weights) multiplies by each layer's out-first weights through ``cache_kernel.stacked_matmul``,
-which reads them in place too (``weights_int8.LayerWeight``; "Session 44"); and a prompt's
-causal self-attention goes through ``cache_kernel.causal_attention``, flash-style ("Session
-45").
+"Session 43"); with ``config.matmul == "kernel"`` a step of 1-16 rows multiplies by each
+layer's out-first weights through ``cache_kernel.stacked_matmul``, which reads them in place
+too (``weights_int8.LayerWeight``; "Session 44"); and a prompt's causal self-attention goes
+through ``cache_kernel.causal_attention``, flash-style ("Session 45").
 """
 
 from __future__ import annotations
@@ -274,12 +273,11 @@ def _require_kernel(flag: str) -> bool:
     return True
 
 
-def _uses_matmul_kernel(rows: int, config: ModelConfig, stacked: dict) -> bool:
-    """Whether ``extend`` multiplies ``rows`` rows by the layers' ``stacked`` weights with
+def _uses_matmul_kernel(rows: int, config: ModelConfig) -> bool:
+    """Whether ``extend`` multiplies ``rows`` rows by the layers' stacked weights with
     ``cache_kernel.stacked_matmul`` (``config.matmul`` is ``"kernel"`` and ``rows`` within
-    ``cache_kernel.matmul_rows``); ``"kernel"`` where the kernel cannot be built raises."""
-    int8 = any(weights_lib.is_quantized(w) for w in stacked.values())
-    lo, hi = cache_kernel.matmul_rows(int8)
+    ``cache_kernel.MATMUL_ROWS``); ``"kernel"`` where the kernel cannot be built raises."""
+    lo, hi = cache_kernel.MATMUL_ROWS
     if config.matmul != "kernel" or not lo <= rows <= hi:
         return False
     return _require_kernel("matmul")
@@ -407,7 +405,7 @@ def extend(
     # With the matmul kernel the stacked matmul weights stay out of the scan's inputs (which
     # XLA would slice, copying each layer's): each layer reads its own in place.
     stacked = params["layers"]
-    matmul = _uses_matmul_kernel(tokens_BT.shape[0] * T, config, stacked)
+    matmul = _uses_matmul_kernel(tokens_BT.shape[0] * T, config)
     if matmul:
         _layer_weights(stacked, 0)  # a wrong layout fails here, not inside the scan
     scanned = {n: w for n, w in stacked.items() if not (matmul and n in weights_lib.CONTRACTED)}

@@ -162,7 +162,7 @@ class LayerWeight:
     leading layer axis, float32 values or int8 ones with float32 scales), multiplied by
     ``cache_kernel.stacked_matmul``, which reads that layer in place: inside the decoder's
     layer scan the stacked weights stay loop-invariant and nothing is sliced or copied
-    (``config.matmul == "kernel"``, a decode step of ``cache_kernel.matmul_rows`` rows). Any
+    (``config.matmul == "kernel"``, a decode step of ``cache_kernel.MATMUL_ROWS`` rows). Any
     other use (``dense``, an einsum the kernel cannot do) reads the slice."""
 
     stacked: Int8Weight | OIWeight
@@ -328,20 +328,20 @@ def _is_row_product(subscripts: str, w) -> bool:
 
 def _layer_einsum(subscripts: str, x: jax.Array, w: LayerWeight, **kwargs) -> jax.Array:
     """``einsum`` with one layer of a stacked weight: ``cache_kernel.stacked_matmul`` for
-    the decoder's projections over ``cache_kernel.matmul_rows`` rows, else the slice's einsum."""
+    the decoder's projections over ``cache_kernel.MATMUL_ROWS`` rows, else the slice's einsum."""
     one = w.stacked
     n_in = len(one.in_shape)
     rows = math.prod(x.shape[: x.ndim - n_in])
-    if not _is_row_product(subscripts, one) or not _kernel_rows(x, rows, one):
+    if not _is_row_product(subscripts, one) or not _kernel_rows(x, rows):
         return einsum(subscripts, x, w.sliced(), **kwargs)
     y = _kernel_matmul(x.reshape(rows, -1), w)
     return y.reshape(*x.shape[: x.ndim - n_in], *one.out_shape)
 
 
-def _kernel_rows(x: jax.Array, rows: int, w) -> bool:
-    """Whether ``rows`` rows of ``x`` times the weight ``w`` go through the kernel
-    (``cache_kernel.matmul_rows``)."""
-    lo, hi = cache_kernel.matmul_rows(is_quantized(w))
+def _kernel_rows(x: jax.Array, rows: int) -> bool:
+    """Whether ``rows`` rows of ``x`` times a stacked weight go through the kernel
+    (``cache_kernel.MATMUL_ROWS``)."""
+    lo, hi = cache_kernel.MATMUL_ROWS
     return x.dtype == jnp.float32 and lo <= rows <= hi
 
 
@@ -378,7 +378,7 @@ def head_logits(h_XD: jax.Array, w, *, vocab_first: bool) -> jax.Array:
     """
     if isinstance(w, LayerWeight):  # a kernel_head: [1, V, D]
         h_RD = h_XD.reshape(-1, h_XD.shape[-1])
-        if not _kernel_rows(h_XD, h_RD.shape[0], w.stacked):
+        if not _kernel_rows(h_XD, h_RD.shape[0]):
             return head_logits(h_XD, w.sliced(), vocab_first=True)
         return _kernel_matmul(h_RD, w).reshape(*h_XD.shape[:-1], -1)
     if not is_out_first(w):

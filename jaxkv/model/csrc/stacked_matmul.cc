@@ -62,11 +62,39 @@ void Rows(const float* x, const W* w, const float* scale, float* y, int64_t I, i
   for (; o < o1; ++o) Tile<W, 1, TT>(x, w, scale, y, I, O, o, t);
 }
 
+// Output channels [o0, o1) of one row of x (a decode step at batch 1): each channel's weights
+// read whole, in memory order, so a work item is one sequential stream (the tiles above read
+// TO rows side by side, TO short streams that the hardware prefetcher meets anew at every
+// tile), four accumulators per channel.
+template <typename W>
+void OneRow(const float* x, const W* w, const float* scale, float* y, int64_t I, int64_t o0,
+            int64_t o1) {
+  constexpr int64_t kStep = 4 * kLanes;
+  const int64_t I4 = I - I % kStep, I1 = I - I % kLanes;
+  for (int64_t o = o0; o < o1; ++o) {
+    const W* row = w + o * I;
+    vf a0 = {}, a1 = {}, a2 = {}, a3 = {};
+    int64_t i = 0;
+    for (; i < I4; i += kStep) {
+      prefetch_ahead(row + i, kStep * sizeof(W));
+      a0 += load(row + i) * load(x + i);
+      a1 += load(row + i + kLanes) * load(x + i + kLanes);
+      a2 += load(row + i + 2 * kLanes) * load(x + i + 2 * kLanes);
+      a3 += load(row + i + 3 * kLanes) * load(x + i + 3 * kLanes);
+    }
+    for (; i < I1; i += kLanes) a0 += load(row + i) * load(x + i);
+    float s = hsum((a0 + a1) + (a2 + a3));
+    for (; i < I; ++i) s += widen1(row[i]) * x[i];
+    y[o] = scale ? s * scale[o] : s;
+  }
+}
+
 // Output channels [o0, o1) of all T rows, in groups of 8, 4, 2 or 1 rows; each group's tile
 // keeps kAcc accumulators (half the vector registers).
 template <typename W>
 void Block(const float* x, const W* w, const float* scale, float* y, int64_t T, int64_t I,
            int64_t O, int64_t o0, int64_t o1) {
+  if (T == 1) return OneRow<W>(x, w, scale, y, I, o0, o1);
   constexpr int kAcc = kLanes == 16 ? 16 : 8;
   int64_t t = 0;
   for (; t + 8 <= T; t += 8) Rows<W, kAcc / 8, 8>(x, w, scale, y, I, O, o0, o1, t);
