@@ -391,9 +391,7 @@ def make_engines(args, client):
     model = jaxkv.load("smollm2-135m")
     engines["jaxkv f32"] = JaxEngine(model, label="f32")
     if args.out_first:
-        from jaxkv.model import weights_int8
-
-        oi = dataclasses.replace(model, params=weights_int8.transpose_params(model.params))
+        oi = jaxkv.load("smollm2-135m", out_first=True)
         engines["jaxkv f32 out-first"] = JaxEngine(oi, label="f32-out-first")
     if args.f16_cache:  # llama.cpp's default KV precision, with float32 weights
         engines["jaxkv f32 + f16 KV"] = JaxEngine(model, label="f32-kv16", kv_dtype="float16")

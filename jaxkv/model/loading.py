@@ -34,6 +34,7 @@ from jaxkv.config import (
     PRESETS,
     ModelConfig,
 )
+from jaxkv.model import memory
 from jaxkv.model import weights_int8 as weights_lib
 from jaxkv.model.params import _unflatten, validate_params
 from jaxkv.model.tokenizer import ChatTokenizer, UnsupportedTokenizer
@@ -570,29 +571,34 @@ def load_model(
         attention: ``config.attention``, how decode steps attend over the cache
             (``jaxkv.config.ATTENTION_IMPLEMENTATIONS``; ``"kernel"``: the compiled CPU
             kernel of ``jaxkv.model.cache_kernel``).
-        matmul: ``config.matmul``, how decode steps of 2-16 rows (1-16 with int8 weights)
-            multiply by the weights (``jaxkv.config.MATMUL_IMPLEMENTATIONS``); ``"kernel"``
+        matmul: ``config.matmul``, how decode steps of 1-16 rows multiply by the weights
+            (``jaxkv.config.MATMUL_IMPLEMENTATIONS``); ``"kernel"``
             (the compiled CPU kernel ``cache_kernel.stacked_matmul``) stores float32 weights
             out-first, the layout it reads (as ``out_first``).
 
     The embedded model's dequantized params, config and tokenizer are cached under
     ``cache_dir()`` (keyed by the GGUF file's size and mtime): the first load dequantizes,
-    later loads read the cache.
+    later loads read the cache. On a Linux CPU the loaded weights are moved into huge pages
+    (``jaxkv.model.memory.huge_pages``).
     """
     if attention not in ATTENTION_IMPLEMENTATIONS:  # before any loading
         raise ValueError(f"attention must be one of {ATTENTION_IMPLEMENTATIONS}, got {attention!r}")
     if matmul not in MATMUL_IMPLEMENTATIONS:
         raise ValueError(f"matmul must be one of {MATMUL_IMPLEMENTATIONS}, got {matmul!r}")
-    if (attention, matmul) != ("xla", "xla"):
-        out_first = out_first or matmul == "kernel"
-        model = load_model(name_or_path, dtype=dtype, out_first=out_first)
-        config = model.config.replace(attention=attention, matmul=matmul)
-        return dataclasses.replace(model, config=config)
+    out_first = out_first or matmul == "kernel"
+    model = _load_params(name_or_path, dtype=dtype, out_first=out_first)
+    memory.huge_pages(model.params)
+    config = model.config.replace(attention=attention, matmul=matmul)
+    return dataclasses.replace(model, config=config)
+
+
+def _load_params(name_or_path: str | Path, *, dtype: str, out_first: bool) -> LoadedModel:
+    """``load_model`` up to its weights: int8, out-first or as stored."""
     if dtype == INT8:
-        model = load_model(name_or_path, dtype="float32")
+        model = _load_params(name_or_path, dtype="float32", out_first=False)
         return dataclasses.replace(model, params=weights_lib.quantize_params(model.params))
     if out_first:
-        model = load_model(name_or_path, dtype=dtype)
+        model = _load_params(name_or_path, dtype=dtype, out_first=False)
         return dataclasses.replace(model, params=weights_lib.transpose_params(model.params))
     _check_dtype(dtype, extra=(INT8,))
     source = _resolve(name_or_path)
