@@ -25,6 +25,7 @@ Markdown tables that ``results/profile_decode.md`` quotes):
     .venv/bin/python scripts/profile_decode.py perlayer --decode 1:4096,8:4096 [--dtype out-first]
     .venv/bin/python scripts/profile_decode.py kernel --decode 1:4096,8:4096 [--kv-dtype float16]
     .venv/bin/python scripts/profile_decode.py prefill --prefill 1:512,1:2048
+    .venv/bin/python scripts/profile_decode.py hugepages --decode 1:1024,1:4096 [--dtype int8]
 
 ``--dtype int8`` does the same for the int8-weight model (``jaxkv.model.weights_int8``):
 "old" is then the int8 path before "After int8 weights" (``_old_int8_*``: qwix QArrays in
@@ -47,7 +48,9 @@ canonical and out-first through XLA, out-first through ``config.matmul="kernel"`
 (``cache_kernel.stacked_matmul``), int8 weights through XLA and the kernel, in turns.
 ``prefill`` times a prompt's attention alone over every layer, XLA's blocks against
 ``cache_kernel.causal_attention``, then whole prefills with ``config.attention`` "xla" and
-"kernel", in turns.
+"kernel", in turns. ``hugepages`` times decode steps through both kernels with the weights
+as ``jaxkv.load`` leaves them (huge pages, ``jaxkv.model.memory``) and with a copy of them in
+4 KiB pages, in turns.
 """
 
 from __future__ import annotations
@@ -1089,6 +1092,39 @@ def parity(model, n_windows=4, window=352, prompt_len=256):
     return out
 
 
+def hugepages_compare(rows, reps, dtype):
+    """Decode ms/token with the weights in 4 KiB pages and in huge pages
+    (``jaxkv.model.memory.huge_pages``), both kernels, in turns: the weights as ``jaxkv.load``
+    leaves them (huge pages) against a copy of them in fresh buffers, never advised (4 KiB
+    pages). Rows (batch, context, 4 KiB median ms, huge median ms, paired speed-up, MB in huge
+    pages)."""
+    from jaxkv.model import memory
+
+    kw = {"dtype": "int8"} if dtype == "int8" else {"out_first": True}
+    loaded = jaxkv.load("smollm2-135m", attention="kernel", matmul="kernel", **kw)
+    small = copy.copy(loaded)  # fresh XLA buffers: 4 KiB pages, never advised
+    object.__setattr__(small, "params", jax.tree.map(lambda a: a.copy(), loaded.params))
+    huge_mb = memory.huge_pages(loaded.params) / 1e6  # already done by the load: counted here
+    out = []
+    for batch, ctx in rows:
+        fns = {"4k": Decoder(small, "new", batch, ctx), "huge": Decoder(loaded, "new", batch, ctx)}
+        for f in fns.values():
+            f()
+        t = in_turns(fns, reps)
+        out.append(
+            (
+                batch,
+                ctx,
+                1e3 * _med(t["4k"]),
+                1e3 * _med(t["huge"]),
+                _paired(t["4k"], t["huge"]),
+                huge_mb,
+            )
+        )
+        print(out[-1], flush=True)
+    return out
+
+
 def _paired(old, new):
     """Median over turns of old time / new time (each turn runs both back to back)."""
     return _med([a / b for a, b in zip(old, new, strict=True)])
@@ -1147,6 +1183,7 @@ def main():
             "kernel",
             "matmul",
             "prefill",
+            "hugepages",
         ],
     )
     ap.add_argument("--batch", type=int, default=1)
@@ -1293,6 +1330,17 @@ def main():
         print(open("/proc/loadavg").read().strip())
         for name, (ms, gbs) in matmul_piece(model, args.batch, args.reps).items():
             print(f"weights alone, {args.batch} rows, {name}: {ms:.2f} ms ({gbs:.1f} GB/s)")
+        print(open("/proc/loadavg").read().strip())
+    elif args.what == "hugepages":
+        print(open("/proc/loadavg").read().strip())
+        for b, ctx, small, huge, up, mb in hugepages_compare(
+            args.decode, args.reps, "int8" if args.dtype == "int8" else "float32"
+        ):
+            print(
+                f"decode step, batch {b} context {ctx}, {args.dtype} weights through both kernels:"
+                f" 4 KiB pages {small:.1f} ms, huge pages ({mb:.0f} MB) {huge:.1f} ms,"
+                f" paired {up:.3f}x"
+            )
         print(open("/proc/loadavg").read().strip())
     elif args.what == "compare":
         for r in compare(model, args.reps, args.decode, args.prefill):

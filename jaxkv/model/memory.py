@@ -6,9 +6,9 @@ fresh start of the hardware prefetcher every 4 KiB. XLA:CPU allocates its buffer
 usual ``transparent_hugepage`` setting is ``madvise``), while numpy advises its own large
 arrays by default. ``huge_pages`` advises a pytree's large CPU buffers (``MADV_HUGEPAGE``) and
 has the kernel move their contents into 2 MiB pages at once (``MADV_COLLAPSE``, Linux 6.1):
-the same bytes at the same addresses. Session 50's host: a batch-1 float32 decode step 1.08x /
-1.10x faster at 4K / 1K context (results/bench_kernels_s50/). Anything else (another OS, a GPU
-buffer, an older kernel, THP disabled) is left alone.
+the same bytes at the same addresses. Session 50's host: a batch-1 float32 decode step
+1.08-1.15x faster (results/bench_kernels_s50/). Anything else (another OS, a GPU buffer, an
+older kernel, THP disabled) is left alone.
 """
 
 from __future__ import annotations
