@@ -1102,8 +1102,9 @@ def hugepages_compare(rows, reps, dtype):
 
     kw = {"dtype": "int8"} if dtype == "int8" else {"out_first": True}
     loaded = jaxkv.load("smollm2-135m", attention="kernel", matmul="kernel", **kw)
-    small = copy.copy(loaded)  # fresh XLA buffers: 4 KiB pages, never advised
-    object.__setattr__(small, "params", jax.tree.map(lambda a: a.copy(), loaded.params))
+    small = copy.copy(loaded)
+    fresh = jax.tree.map(lambda a: a.copy(), loaded.params)  # XLA's buffers: 4 KiB pages
+    object.__setattr__(small, "params", fresh)
     huge_mb = memory.huge_pages(loaded.params) / 1e6  # already done by the load: counted here
     out = []
     for batch, ctx in rows:
