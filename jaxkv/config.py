@@ -41,10 +41,10 @@ steps read each cached key and value once, float32, float16 or int8, and return 
 probabilities when the cache's statistics need them; a float32 prompt with a head size that
 is a multiple of 64 goes through a flash-style causal kernel)."""
 MATMUL_IMPLEMENTATIONS = ("xla", "kernel")
-"""How a decode step with 2-16 rows (a batch; 1-16 with int8 weights) multiplies by the
-layers' weights: ``xla``, or ``kernel`` (``jaxkv.model.cache_kernel.stacked_matmul``, a compiled
-CPU kernel that reads each layer's out-first float32 or int8 weights in place, where XLA
-copies the layer's slice first). One row of float32 weights and prefill always use XLA."""
+"""How a decode step with 1-16 rows (a batch) multiplies by the layers' weights: ``xla``, or
+``kernel`` (``jaxkv.model.cache_kernel.stacked_matmul``, a compiled CPU kernel that reads each
+layer's out-first float32 or int8 weights in place, where XLA copies the layer's slice first,
+and at one row reads each output channel's weights as one stream). Prefill always uses XLA."""
 
 
 @dataclasses.dataclass(frozen=True)

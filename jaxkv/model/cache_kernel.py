@@ -12,8 +12,8 @@ cached key and value once, for all the query rows of its KV head, straight out o
 copied), on XLA's intra-op threads; in a decode step it can also update the layer's attention
 statistics in place (``cache_attention_stats``), so their probabilities never go through
 memory and XLA never merges the stacked statistics. ``csrc/stacked_matmul.cc`` does the same
-for the weights of a decode step with 2-16 rows (a batch of sequences; 1-16 for int8
-weights), where XLA:CPU copies each layer's slice of the stacked weights out before its dot
+for the weights of a decode step with 1-16 rows (a batch of sequences), where XLA:CPU copies
+each layer's slice of the stacked weights out before its dot
 (``jaxkv.model.weights_int8.LayerWeight``). ``csrc/drop_lowest.cc`` is eviction's selection
 (``drop_lowest``: each row's lowest-scored slots freed in place, in one pass).
 XLA computes a prompt's attention in blocks of queries whose scores go through memory

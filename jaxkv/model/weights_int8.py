@@ -22,7 +22,7 @@ float array (``jaxkv.policies`` binding W_o) sees no difference.
 
 With ``config.matmul == "kernel"`` the decoder hands a decode step's projections a
 ``LayerWeight`` (the stacked weight and the layer index) instead of the slice, and ``einsum``
-/ ``head_logits`` multiply 2-16 rows by it (1-16 if it is int8) with
+/ ``head_logits`` multiply 1-16 rows by it (``cache_kernel.MATMUL_ROWS``) with
 ``cache_kernel.stacked_matmul``, which reads the layer in place (results/profile_decode.md,
 "Session 44").
 
