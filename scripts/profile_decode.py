@@ -634,14 +634,20 @@ def kernel_compare(model, kv_dtype, rows, reps):
 def _xla_vs_kernel(rows, reps, make):
     """``make(attention, batch, n)`` (a call) for "xla" and "kernel", compiled, then in turns:
     rows (batch, n, xla median ms, kernel median ms, paired speed-up)."""
+    return _a_vs_b(rows, reps, make, ("xla", "kernel"))
+
+
+def _a_vs_b(rows, reps, make, names):
+    """``make(name, batch, n)`` (a call) for both ``names`` (a, b), compiled, then in turns:
+    rows (batch, n, a median ms, b median ms, paired speed-up of b)."""
+    a, b = names
     out = []
     for batch, n in rows:
-        fns = {a: make(a, batch, n) for a in ("xla", "kernel")}
+        fns = {k: make(k, batch, n) for k in names}
         for f in fns.values():
             f()  # compiled before the turns
         t = in_turns(fns, reps)
-        ms = (1e3 * _med(t["xla"]), 1e3 * _med(t["kernel"]))
-        out.append((batch, n, *ms, _paired(t["xla"], t["kernel"])))
+        out.append((batch, n, 1e3 * _med(t[a]), 1e3 * _med(t[b]), _paired(t[a], t[b])))
         print(out[-1], flush=True)
     return out
 
@@ -1096,8 +1102,8 @@ def hugepages_compare(rows, reps, dtype):
     """Decode ms/token with the weights in 4 KiB pages and in huge pages
     (``jaxkv.model.memory.huge_pages``), both kernels, in turns: the weights as ``jaxkv.load``
     leaves them (huge pages) against a copy of them in fresh buffers, never advised (4 KiB
-    pages). Rows (batch, context, 4 KiB median ms, huge median ms, paired speed-up, MB in huge
-    pages)."""
+    pages). Returns (MB in huge pages, rows (batch, context, 4 KiB median ms, huge median ms,
+    paired speed-up))."""
     from jaxkv.model import memory
 
     kw = {"dtype": "int8"} if dtype == "int8" else {"out_first": True}
@@ -1106,24 +1112,9 @@ def hugepages_compare(rows, reps, dtype):
     fresh = jax.tree.map(lambda a: a.copy(), loaded.params)  # XLA's buffers: 4 KiB pages
     object.__setattr__(small, "params", fresh)
     huge_mb = memory.huge_pages(loaded.params) / 1e6  # already done by the load: counted here
-    out = []
-    for batch, ctx in rows:
-        fns = {"4k": Decoder(small, "new", batch, ctx), "huge": Decoder(loaded, "new", batch, ctx)}
-        for f in fns.values():
-            f()
-        t = in_turns(fns, reps)
-        out.append(
-            (
-                batch,
-                ctx,
-                1e3 * _med(t["4k"]),
-                1e3 * _med(t["huge"]),
-                _paired(t["4k"], t["huge"]),
-                huge_mb,
-            )
-        )
-        print(out[-1], flush=True)
-    return out
+    models = {"4k": small, "huge": loaded}
+    make = lambda name, batch, ctx: Decoder(models[name], "new", batch, ctx)  # noqa: E731
+    return huge_mb, _a_vs_b(rows, reps, make, ("4k", "huge"))
 
 
 def _paired(old, new):
@@ -1334,9 +1325,10 @@ def main():
         print(open("/proc/loadavg").read().strip())
     elif args.what == "hugepages":
         print(open("/proc/loadavg").read().strip())
-        for b, ctx, small, huge, up, mb in hugepages_compare(
+        mb, rows = hugepages_compare(
             args.decode, args.reps, "int8" if args.dtype == "int8" else "float32"
-        ):
+        )
+        for b, ctx, small, huge, up in rows:
             print(
                 f"decode step, batch {b} context {ctx}, {args.dtype} weights through both kernels:"
                 f" 4 KiB pages {small:.1f} ms, huge pages ({mb:.0f} MB) {huge:.1f} ms,"
