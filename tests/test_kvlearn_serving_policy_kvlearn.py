@@ -87,6 +87,12 @@ def test_simulated_pool_refuses_blocks_below_the_write_cost(tmp_path):
         def predict(self, x):
             return np.full(len(x), 0.2)
 
+        def observe(self, x):
+            return x
+
+        def resolve(self, x):
+            return self.predict(x)
+
     for write_cost, admits in ((True, 0), (False, 3)):
         pol = _policy(tr, theta=0.2, write_cost=write_cost, predictor="logistic")
         pol.pred = Const()
@@ -149,6 +155,12 @@ def test_label_windows_close_on_reuse_or_after_the_horizon(tmp_path):
 
         def predict(self, x):
             return np.zeros(len(x))
+
+        def observe(self, x):
+            return x
+
+        def resolve(self, x):
+            return self.predict(x)
 
     pol.pred = Record()
     for i, blk in enumerate(tr.blocks):
@@ -236,3 +248,28 @@ def test_deferred_prp_predicts_exactly_as_host_prp():
         assert ref.trained == fast.trained and ref.step == fast.step + len(fast.held)
         assert np.array_equal(ref.predict(q), fast.predict(q))
     assert changed >= 10
+
+
+@pytest.mark.parametrize("cls", [HostPRP, DeferredPRP])
+def test_prp_resolves_later_what_it_would_predict_now(cls):
+    """Rows observed before several training rounds and resolved after them get the P̂ that
+    ``predict`` gave at the time (that moment's parameters and whitening statistics), bit for
+    bit; the host's parameters (fetched as one flat array) are the state's."""
+    rng = np.random.default_rng(0)
+    now, later = cls(seed=3), cls(seed=3)
+    want, observed = [], []
+    for step in range(40):
+        x = rng.normal(size=(int(rng.integers(1, 30)), 16)).astype(np.float32)
+        want.append(now.predict(x))
+        observed.append(later.observe(x))
+        y = (rng.random(len(x) * 2) < 0.3).astype(np.float32)
+        now.learn(np.concatenate([x, x]), y)
+        later.learn(np.concatenate([x, x]), y)
+        if step % 7 == 6:  # a backlog spanning rounds, resolved in order
+            for o, w in zip(observed, want, strict=True):
+                np.testing.assert_array_equal(later.resolve(o), w)
+            want, observed = [], []
+    assert later.rounds > 5
+    host, state = jax.tree.leaves(later.params), jax.tree.leaves(later.state.params)
+    for p, q in zip(host, state, strict=True):
+        np.testing.assert_array_equal(p, np.asarray(q))

@@ -325,15 +325,28 @@ class BlockKVLearn(BlockPolicy):
     def end_access(self, blocks, hit: int, i: int, x_BI: np.ndarray) -> None:
         """The rest of ``on_access``: P̂ of request i's blocks (after the round
         ``begin_access`` dispatched) and their reuse counts."""
+        self.set_p_hat(blocks, self.count_access(blocks, hit, i, x_BI))
+
+    def set_p_hat(self, blocks, observed: tuple) -> None:
+        """P̂ of a request's blocks from ``count_access``'s answer (waits for the PRP's round).
+        Between ``count_access`` and this, only ``begin_access`` and ``count_access`` of later
+        requests may run (they read no P̂), and answers are set in request order."""
+        trained, rows = observed
+        self.state.p_hat_P[blocks] = self.pred.resolve(rows) if trained else 1.0
+
+    def count_access(self, blocks, hit: int, i: int, x_BI: np.ndarray) -> tuple:
+        """``end_access`` but P̂: the PRP observes the features (whitening, even before the
+        first training) and the blocks' reuse counts are updated; returns what ``set_p_hat``
+        needs (untrained: P̂ = 1, admit and rank by s_j)."""
         st = self.state
-        p = self.pred.predict(x_BI)  # observes x (whitening) even before the first training
-        st.p_hat_P[blocks] = p if self.pred.trained else 1.0  # untrained: admit, rank by s_j
+        observed = self.pred.trained, self.pred.observe(x_BI)
         miss = blocks[(np.arange(len(blocks)) >= hit) & (st.count_P[blocks] > 0)]
         st.ghost_P[miss] += 1
         prev = st.last_req_P[blocks]
         st.gap_P[blocks] = np.where(prev >= 0, i - prev, st.gap_P[blocks])
         st.count_P[blocks] += 1
         st.last_req_P[blocks] = i
+        return observed
 
     def prio(self, b, i, j, now):
         st = self.state

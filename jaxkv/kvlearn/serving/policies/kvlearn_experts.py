@@ -414,6 +414,11 @@ class ExpertKVLearn(BlockKVLearn):
             if name in SELECTIVE:
                 self.selective.add(k)
         self.shadows = list(self.shadow_of.values())
+        self._lookup_order = sorted(
+            range(len(self.shadows)), key=lambda k: not getattr(self.shadows[k], "defers", False)
+        )
+        """(``"guard"``) Shadows that defer (block KVLearn's) look up first: the PRP's training
+        round their lookup starts computes while the others look up and store."""
         self.follow = self.xcfg.follow or guarded  # (``attach`` binds the shadows' hooks)
         self.request_blocks = trace.blocks
         n_tok = trace.input_len.astype(np.float64)
@@ -645,7 +650,9 @@ class ExpertKVLearn(BlockKVLearn):
         the baseline to follow and whether the learner backs off to it."""
         xs, x, saved_upto = self.xs, self.xcfg, self._saved_upto
         saved = saved_upto[hit]
-        base = [saved_upto[sh.lookup(blocks, i, now)] for sh in self.shadows]
+        base = [0.0] * len(self.shadows)
+        for k in self._lookup_order:
+            base[k] = saved_upto[self.shadows[k].lookup(blocks, i, now)]
         full = float(self.full_ms[i])
         if x.queue_weight or x.size_power:
             w = 1.0 + x.queue_weight * queued_behind(self.arrival_s, i, now)
@@ -703,9 +710,10 @@ class ShadowPolicy:
         self.on_evict = None
         policy.attach(self.cache)
         self._hears_access = type(policy).on_access is not BlockPolicy.on_access
-        # block KVLearn's P̂ waits for its PRP's round: its lookup ends at this shadow's next use
-        self._defers = type(policy).on_access is BlockKVLearn.on_access
+        # block KVLearn's P̂ waits for its PRP's round: its lookup ends at this shadow's next store
+        self.defers = type(policy).on_access is BlockKVLearn.on_access
         self._unfinished: tuple | None = None
+        self._unset: list[tuple] = []  # counted lookups whose P̂ and touches wait (``finish``)
         self.hits: dict[int, int] = {}
         """Request → its hit here, until the request is stored."""
 
@@ -728,17 +736,20 @@ class ShadowPolicy:
     def lookup(self, blocks, i: int, now: float) -> int:
         """Request i's hit prefix here (touched, and remembered for ``store``).
 
-        For block KVLearn the lookup's second half (P̂ after the PRP's training round, then
-        the touches) runs at this shadow's next ``lookup`` or ``store`` (``finish``), so the
-        round computes while the other pools work. Nothing else reads this shadow's state in
-        between (the guard reads its hits, the real pool its residency, which only ``store``
-        changes), so every decision is the same as without the delay."""
-        self.finish()
+        For block KVLearn the lookup's second half waits: its reuse counts and the PRP's
+        whitening statistics are updated at this shadow's next ``lookup`` or ``store``
+        (``_count``), P̂ of its blocks (after the PRP's training round) and their touches at
+        its next ``store`` (``finish``), so the round computes while the other pools work.
+        Until then nothing reads what they change (a later lookup's features and labels read
+        the counts, the guard this shadow's hits, the real pool its residency: touches change
+        none of them, and only ``store`` evicts), so every decision is the same as without the
+        delay."""
+        self._count()
         c, pol = self.cache, self.pol
         ids = _ids(blocks)
         hit = c.match(ids) if c.capacity else 0
         self.hits[i] = hit
-        if self._defers:
+        if self.defers:
             self._unfinished = (blocks, ids, hit, i, now, pol.begin_access(blocks, hit, i))
             return hit
         if self._hears_access:  # the default does nothing
@@ -746,13 +757,22 @@ class ShadowPolicy:
         self._touch(ids, hit, i, now)
         return hit
 
-    def finish(self) -> None:
-        """Ends a delayed lookup (block KVLearn's): P̂ of its blocks, then their touches."""
+    def _count(self) -> None:
+        """The delayed lookup's reuse counts (block KVLearn's ``count_access``); queues its P̂."""
         if self._unfinished is not None:
             blocks, ids, hit, i, now, x_BI = self._unfinished
             self._unfinished = None
-            self.pol.end_access(blocks, hit, i, x_BI)
+            observed = self.pol.count_access(blocks, hit, i, x_BI)
+            self._unset.append((blocks, ids, hit, i, now, observed))
+
+    def finish(self) -> None:
+        """Ends the delayed lookups (block KVLearn's), in order: P̂ of their blocks, then their
+        touches."""
+        self._count()
+        for blocks, ids, hit, i, now, observed in self._unset:
+            self.pol.set_p_hat(blocks, observed)
             self._touch(ids, hit, i, now)
+        self._unset.clear()
 
     def _touch(self, ids: list[int], hit: int, i: int, now: float) -> None:
         touch, prio = self.cache.touch, self.pol.prio
