@@ -95,6 +95,7 @@ class HostPRP:
         self._params = jax.device_get(state.params)
         leaves, self._treedef = jax.tree.flatten(self._params)
         self._shapes = [np.shape(x) for x in leaves]
+        self._splits = np.cumsum([math.prod(s) for s in self._shapes])[:-1]  # of the flat array
         self.rounds = 0  # training rounds run so far
         self._params_round = 0  # the round ``_params`` come from
         self._flat: dict[int, jax.Array] = {}  # round → its parameters, not fetched yet
@@ -129,9 +130,7 @@ class HostPRP:
     def _params_after(self, r: int):
         """The parameters after round r (fetched once)."""
         if r != self._params_round:
-            flat = np.asarray(self._flat[r])
-            ends = np.cumsum([math.prod(s) for s in self._shapes])
-            parts = np.split(flat, ends[:-1])
+            parts = np.split(np.asarray(self._flat[r]), self._splits)
             leaves = [x.reshape(s) for x, s in zip(parts, self._shapes, strict=True)]
             self._params = jax.tree.unflatten(self._treedef, leaves)
             self._params_round = r
