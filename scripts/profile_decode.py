@@ -609,11 +609,6 @@ def kv_compare(model, kv_dtype, rows, reps):
     return out
 
 
-def _with_attention(model, attention: str):
-    """``model`` (a loaded model or one of this script's wrappers) with ``config.attention``."""
-    return _with_config(model, attention=attention)
-
-
 def _with_config(model, **changes):
     """``model`` (a loaded model or one of this script's wrappers) with ``config`` changed."""
     m = copy.copy(model)
@@ -626,7 +621,9 @@ def kernel_compare(model, kv_dtype, rows, reps):
     turns: rows (batch, context, xla median, kernel median, paired speed-up)."""
 
     def make(attention, batch, ctx):
-        return Decoder(_with_attention(model, attention), "new", batch, ctx, kv_dtype=kv_dtype)
+        return Decoder(
+            _with_config(model, attention=attention), "new", batch, ctx, kv_dtype=kv_dtype
+        )
 
     return _xla_vs_kernel(rows, reps, make)
 
@@ -760,7 +757,7 @@ def prefill_compare(model, rows, reps):
     tokens, xla median ms, kernel median ms, paired speed-up)."""
 
     def make(attention, batch, n):
-        return Prefiller(_with_attention(model, attention), "new", batch, n)
+        return Prefiller(_with_config(model, attention=attention), "new", batch, n)
 
     return _xla_vs_kernel(rows, reps, make)
 
